@@ -1,0 +1,253 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_RAW: _ClassVar[Codec]
+    CODEC_ZSTD: _ClassVar[Codec]
+CODEC_UNSPECIFIED: Codec
+CODEC_RAW: Codec
+CODEC_ZSTD: Codec
+
+class ArrayData(_message.Message):
+    __slots__ = ("dtype", "shape", "raw_size", "codec", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    RAW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    raw_size: int
+    codec: Codec
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw_size: _Optional[int] = ..., codec: _Optional[_Union[Codec, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NamedArray(_message.Message):
+    __slots__ = ("name", "array")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    array: ArrayData
+    def __init__(self, name: _Optional[str] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
+
+class SessionConfig(_message.Message):
+    __slots__ = ("max_episodes", "record_states", "state_fields")
+    MAX_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    RECORD_STATES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    max_episodes: int
+    record_states: bool
+    state_fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_episodes: _Optional[int] = ..., record_states: _Optional[bool] = ..., state_fields: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("session", "config", "worker_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    config: SessionConfig
+    worker_id: str
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("worker_index", "last_sequence", "status")
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    worker_index: int
+    last_sequence: int
+    status: StatusReply
+    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
+
+class RecordOpen(_message.Message):
+    __slots__ = ("session", "worker_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    worker_id: str
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("sequence", "action", "reward", "done", "states")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    action: ArrayData
+    reward: ArrayData
+    done: ArrayData
+    states: _containers.RepeatedCompositeFieldContainer[NamedArray]
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
+
+class RecordRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: RecordOpen
+    chunk: Chunk
+    def __init__(self, open: _Optional[_Union[RecordOpen, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class RecordAck(_message.Message):
+    __slots__ = ("sequence", "result", "error_code", "error_message", "is_full", "num_recorded_steps")
+    class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RESULT_UNSPECIFIED: _ClassVar[RecordAck.Result]
+        STORED: _ClassVar[RecordAck.Result]
+        DROPPED_FULL: _ClassVar[RecordAck.Result]
+        DUPLICATE: _ClassVar[RecordAck.Result]
+        REJECTED: _ClassVar[RecordAck.Result]
+    RESULT_UNSPECIFIED: RecordAck.Result
+    STORED: RecordAck.Result
+    DROPPED_FULL: RecordAck.Result
+    DUPLICATE: RecordAck.Result
+    REJECTED: RecordAck.Result
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    IS_FULL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    result: RecordAck.Result
+    error_code: str
+    error_message: str
+    is_full: bool
+    num_recorded_steps: int
+    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ...) -> None: ...
+
+class FinishRequest(_message.Message):
+    __slots__ = ("session", "pad_incomplete", "max_part_bytes")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PAD_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    pad_incomplete: bool
+    max_part_bytes: int
+    def __init__(self, session: _Optional[str] = ..., pad_incomplete: _Optional[bool] = ..., max_part_bytes: _Optional[int] = ...) -> None: ...
+
+class FieldSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FinishHeader(_message.Message):
+    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids")
+    NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENVS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_episodes: int
+    max_length: int
+    fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    workers: _containers.RepeatedScalarFieldContainer[int]
+    envs: _containers.RepeatedScalarFieldContainer[int]
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    done: _containers.RepeatedScalarFieldContainer[bool]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ArrayPart(_message.Message):
+    __slots__ = ("field", "row_start", "array")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    field: int
+    row_start: int
+    array: ArrayData
+    def __init__(self, field: _Optional[int] = ..., row_start: _Optional[int] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
+
+class FinishPart(_message.Message):
+    __slots__ = ("header", "array")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    header: FinishHeader
+    array: ArrayPart
+    def __init__(self, header: _Optional[_Union[FinishHeader, _Mapping]] = ..., array: _Optional[_Union[ArrayPart, _Mapping]] = ...) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ResetReply(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: StatusReply
+    def __init__(self, status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    worker_index: int
+    num_envs: int
+    last_sequence: int
+    chunks_stored: int
+    chunks_dropped: int
+    steps: int
+    episodes_finished: int
+    raw_bytes: int
+    wire_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    IS_FULL_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    config: SessionConfig
+    is_full: bool
+    num_recorded_steps: int
+    episodes_finished: int
+    chunks_stored: int
+    chunks_dropped: int
+    raw_bytes: int
+    wire_bytes: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,73 @@
+"""The client's exception hierarchy, converted from gRPC status in one place."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RecorderError(Exception):
+    """Base class of every error the recorder client raises."""
+
+
+class RecorderUnavailableError(RecorderError, ConnectionError):
+    """The recorder server could not be reached (names the target)."""
+
+
+class InvalidChunkError(RecorderError, ValueError):
+    """A chunk was refused: the message names the field, expected and received value."""
+
+
+class SessionMismatchError(RecorderError, ValueError):
+    """The session exists with a different configuration."""
+
+
+class NoDataError(RecorderError, ValueError):
+    """finish() found nothing to return (the in-process recorder's ValueError cases)."""
+
+
+class ResourceExhaustedError(RecorderError):
+    """The server refused work for lack of a resource (space, limits)."""
+
+
+class AuthenticationError(RecorderError, PermissionError):
+    """The server refused the call's credentials."""
+
+
+# The server tags a few refusals in trailing metadata so the client can pick the class.
+ERROR_KIND_KEY = "rr-error-kind"
+_BY_KIND: dict[str, type[RecorderError]] = {
+    "session_mismatch": SessionMismatchError,
+    "no_data": NoDataError,
+}
+
+
+def from_status(
+    code: grpc.StatusCode | str, message: str, target: str = "", kind: str = ""
+) -> RecorderError:
+    """Map a gRPC status (or its name) to the exception the user sees."""
+    name = code if isinstance(code, str) else code.name
+    if kind in _BY_KIND:
+        return _BY_KIND[kind](message)
+    if name == "INVALID_ARGUMENT":
+        return InvalidChunkError(message)
+    if name == "FAILED_PRECONDITION":
+        return InvalidChunkError(message)
+    if name == "RESOURCE_EXHAUSTED":
+        return ResourceExhaustedError(message)
+    if name == "UNAUTHENTICATED":
+        return AuthenticationError(message)
+    if name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+        where = f" at {target}" if target else ""
+        return RecorderUnavailableError(f"recorder server{where} unavailable: {message}")
+    return RecorderError(f"{name}: {message}")
+
+
+def from_rpc_error(err: grpc.RpcError, target: str = "") -> RecorderError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    kind = ""
+    if hasattr(err, "trailing_metadata"):
+        for key, value in err.trailing_metadata() or ():
+            if key == ERROR_KIND_KEY:
+                kind = value if isinstance(value, str) else value.decode()
+    return from_status(code, details or "", target, kind)

@@ -1,0 +1,393 @@
+"""RolloutRecorder: the in-process recorder's API, recording into a remote server."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+import numpy as np
+
+from . import codec
+from ._proto import recorder_pb2 as pb
+from ._proto import recorder_pb2_grpc as pb_grpc
+from .embedded import EmbeddedServer
+from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
+from .naming import check_state_fields, trajectory_name
+from .stream import ChunkSender, PendingChunk
+from .trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
+DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
+_MESSAGE_CAP = 256 << 20
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _take(value: Any) -> Any:
+    """A reference to a host array, or a device array whose host copy has started."""
+    if isinstance(value, np.ndarray):
+        return value
+    start_copy = getattr(value, "copy_to_host_async", None)
+    if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
+        start_copy()
+        return value
+    return np.asarray(value)
+
+
+class RolloutRecorder:
+    """Drop-in remote twin of `factoriax.analysis.recorder.RolloutRecorder`.
+
+    `record()` returns at once; a background thread compresses and streams the
+    chunk. `finish()` waits for every chunk of this worker to be acknowledged,
+    then asks the server for the padded trajectory of the whole session.
+
+    Without `target` (and without ROLLOUT_RECORDER_TARGET) the client starts a
+    private server process and stops it on `close()`.
+    """
+
+    def __init__(
+        self,
+        max_episodes: int | None = None,
+        record_states: bool = False,
+        state_fields: list[str] | tuple[str, ...] = DEFAULT_STATE_FIELDS,
+        *,
+        target: str | None = None,
+        session: str = "default",
+        worker_id: str | None = None,
+        connect_timeout: float = 10.0,
+        rpc_timeout: float = 300.0,
+        reconnect_timeout: float = 60.0,
+        max_bytes_in_flight: int = 256 << 20,
+        block_when_full: bool = True,
+        compression_level: int = 1,
+    ) -> None:
+        if max_episodes is not None and (
+            isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
+        ):
+            raise ValueError(
+                f"max_episodes: expected None or a non-negative integer, got {max_episodes!r}"
+            )
+        if max_bytes_in_flight <= 0:
+            raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
+        self.max_episodes = None if max_episodes is None else int(max_episodes)
+        self.record_states = bool(record_states)
+        self.state_fields = check_state_fields(state_fields)
+        self.session = session
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._rpc_timeout = rpc_timeout
+        self._connect_timeout = connect_timeout
+        self._block = block_when_full
+        self._lock = threading.Lock()
+        self._sequence = 0
+        self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._closed = False
+        self._embedded: EmbeddedServer | None = None
+
+        target = target or os.environ.get(TARGET_ENV) or None
+        if target is None:
+            self._embedded = EmbeddedServer()
+            target = self._embedded.target
+        self.target = target
+        try:
+            self._channel = grpc.insecure_channel(
+                target,
+                options=[
+                    ("grpc.max_receive_message_length", _MESSAGE_CAP),
+                    ("grpc.max_send_message_length", _MESSAGE_CAP),
+                ],
+            )
+            self._stub = pb_grpc.RecorderStub(self._channel)
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
+            except grpc.FutureTimeoutError:
+                raise RecorderUnavailableError(
+                    f"recorder server at {target} unreachable within {connect_timeout}s"
+                ) from None
+            self._sequence = self._join()
+            self._sender = ChunkSender(
+                stub_factory=lambda: self._stub,
+                join=self._join,
+                session=session,
+                worker_id=self.worker_id,
+                target=target,
+                max_bytes_in_flight=max_bytes_in_flight,
+                compression_level=compression_level,
+                reconnect_timeout=reconnect_timeout,
+            )
+        except BaseException:
+            self._shutdown_transport()
+            raise
+        self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
+        atexit.register(self._finalizer)
+
+    # -- connection ------------------------------------------------------
+    def _config(self) -> pb.SessionConfig:
+        msg = pb.SessionConfig(record_states=self.record_states, state_fields=self.state_fields)
+        if self.max_episodes is not None:
+            msg.max_episodes = self.max_episodes
+        return msg
+
+    def _join(self) -> int:
+        reply = self._unary(
+            self._stub.Join,
+            pb.JoinRequest(session=self.session, config=self._config(), worker_id=self.worker_id),
+            timeout=self._connect_timeout,
+        )
+        self.worker_index = reply.worker_index
+        return int(reply.last_sequence)
+
+    def _unary(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout or self._rpc_timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RecorderError("the recorder is closed")
+
+    def _raise_async_errors(self) -> None:
+        errors = self._sender.take_errors()
+        if errors:
+            if len(errors) > 1:
+                logger.error("%d further refused chunks: %s", len(errors) - 1, errors[1:])
+            raise errors[0]
+
+    # -- the in-process recorder's API ----------------------------------
+    def record(self, trajectories: Any, env_states: Any = None) -> None:
+        """Queue one (T, N) chunk and return; compression and I/O happen in the background.
+
+        The arrays are referenced, not copied: do not write into them afterwards.
+        A chunk recorded after the session is full is dropped, as in-process.
+        Raises InvalidChunkError (a ValueError) for a chunk that does not match
+        this worker's earlier chunks, and any refusal the server sent for an
+        earlier chunk.
+        """
+        self._check_open()
+        self._raise_async_errors()
+        if self._sender.is_full:
+            self._sender.stats.chunks_dropped_full += 1
+            return
+        arrays: dict[str, Any] = {}
+        for name in ("action", "reward", "done"):
+            value = _get(trajectories, name)
+            if value is None:
+                raise InvalidChunkError(
+                    f"trajectories.{name}: expected an array (attribute or mapping key), got none"
+                )
+            arrays[name] = _take(value)
+        if self.record_states and env_states is not None:
+            for name in self.state_fields:
+                value = _get(env_states, name)
+                if value is not None:
+                    arrays[f"state:{name}"] = _take(value)
+        raw = self._validate(arrays)
+        with self._lock:
+            self._sequence += 1
+            item = PendingChunk(self._sequence, raw, arrays)
+            if not self._sender.submit(item, block=self._block):
+                self._sequence -= 1
+
+    def _validate(self, arrays: dict[str, Any]) -> int:
+        """Check shapes and dtypes against this worker's earlier chunks; returns raw bytes."""
+        schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
+        a_shape = schema["action"][0]
+        if len(a_shape) not in (2, 3):
+            raise InvalidChunkError(
+                f"trajectories.action: expected shape (T, N) or (T, N, P), got {a_shape}"
+            )
+        tn = a_shape[:2]
+        for key, (shape, dtype) in schema.items():
+            label = key.replace("state:", "env_states.") if key.startswith("state:") else key
+            if key != "action" and key.startswith("state:") and shape[:2] != tn:
+                raise InvalidChunkError(
+                    f"{label}: expected shape starting with (T, N) = {tn}, got {shape}"
+                )
+            if key in ("reward", "done") and shape != tn:
+                raise InvalidChunkError(
+                    f"trajectories.{key}: expected shape (T, N) = {tn}, got {shape}"
+                )
+            try:
+                codec.check_dtype(dtype, label)
+            except ValueError as exc:
+                raise InvalidChunkError(str(exc)) from None
+        previous = self._schema
+        if previous is None:
+            self._schema = schema
+        else:
+            self._check_against(previous, schema)
+        return sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in schema.values())
+
+    @staticmethod
+    def _check_against(previous: dict, schema: dict) -> None:
+        if set(previous) != set(schema):
+            want = sorted(k[6:] for k in previous if k.startswith("state:"))
+            got = sorted(k[6:] for k in schema if k.startswith("state:"))
+            raise InvalidChunkError(
+                f"env_states: expected state fields {want} like this worker's earlier chunks, "
+                f"got {got}"
+            )
+        n_prev, n_now = previous["action"][0][1], schema["action"][0][1]
+        if n_prev != n_now:
+            raise InvalidChunkError(
+                f"N: expected {n_prev} environments like this worker's earlier chunks, got {n_now}"
+            )
+        for key, (shape, dtype) in schema.items():
+            p_shape, p_dtype = previous[key]
+            label = key.replace("state:", "env_states.") if key.startswith("state:") else key
+            if dtype != p_dtype:
+                raise InvalidChunkError(
+                    f"{label}.dtype: expected {p_dtype} like this worker's earlier chunks, "
+                    f"got {dtype}"
+                )
+            if shape[2:] != p_shape[2:]:
+                raise InvalidChunkError(
+                    f"{label}.shape: expected trailing shape {p_shape[2:]} after (T, N) like "
+                    f"this worker's earlier chunks, got {shape[2:]}"
+                )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every recorded chunk is acknowledged by the server."""
+        self._check_open()
+        self._sender.flush(timeout)
+        self._raise_async_errors()
+
+    def status(self) -> pb.StatusReply:
+        self._check_open()
+        return self._unary(self._stub.GetStatus, pb.StatusRequest(session=self.session))
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the session's done count reached max_episodes (waits for in-flight chunks)."""
+        if self.max_episodes is None:
+            return False
+        if self._sender.is_full:
+            return True
+        self.flush()
+        return bool(self.status().is_full)
+
+    @property
+    def num_recorded_steps(self) -> int:
+        """Sum of T over the session's stored chunks (waits for in-flight chunks)."""
+        self.flush()
+        return int(self.status().num_recorded_steps)
+
+    def finish(self, pad_incomplete: bool = True) -> Trajectory:
+        """The padded trajectory of every episode in the session (does not clear).
+
+        Raises NoDataError (a ValueError) when nothing was recorded or no episode
+        was found, with the in-process recorder's messages.
+        """
+        self.flush()
+        request = pb.FinishRequest(session=self.session, pad_incomplete=bool(pad_incomplete))
+        try:
+            parts = self._stub.Finish(request, timeout=self._rpc_timeout)
+            return _assemble(parts)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def reset(self) -> None:
+        """Drop every stored chunk of the session; the configuration stays."""
+        self.flush()
+        self._unary(self._stub.Reset, pb.ResetRequest(session=self.session))
+        self._sender.is_full = False
+        self._sender.num_recorded_steps = 0
+        self._schema = None
+
+    # -- lifetime --------------------------------------------------------
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Flush, stop the stream, and stop the embedded server if this client started it."""
+        if self._closed:
+            return
+        try:
+            if self._sender is not None:
+                try:
+                    self._sender.flush(timeout)
+                finally:
+                    self._sender.close()
+        finally:
+            self._closed = True
+            self._shutdown_transport()
+            self._finalizer.detach()
+            atexit.unregister(self._finalizer)
+
+    def _shutdown_transport(self) -> None:
+        channel = getattr(self, "_channel", None)
+        if channel is not None:
+            channel.close()
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    def __enter__(self) -> RolloutRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"RolloutRecorder(max_episodes={self.max_episodes}, record_states={self.record_states}, "
+            f"state_fields={self.state_fields}, target={self.target!r}, session={self.session!r})"
+        )
+
+
+def _close_quietly(ref: weakref.ref[RolloutRecorder]) -> None:
+    recorder = ref()
+    if recorder is not None:
+        try:
+            recorder.close(timeout=10)
+        except Exception as exc:  # interpreter exit: report, never raise
+            logger.warning("closing the recorder at exit: %s", exc)
+
+
+def _assemble(parts: Any) -> Trajectory:
+    """Decode the Finish stream straight into preallocated arrays."""
+    header: pb.FinishHeader | None = None
+    outputs: list[np.ndarray] = []
+    for part in parts:
+        if part.WhichOneof("kind") == "header":
+            header = part.header
+            outputs = [
+                np.zeros(tuple(f.shape), dtype=codec.parse_dtype(f.dtype, f"fields[{f.name!r}]"))
+                for f in header.fields
+            ]
+            continue
+        if header is None:
+            raise RecorderError("Finish: the server sent data before the header")
+        ap = part.array
+        out = outputs[ap.field]
+        rows = int(ap.array.shape[0]) if ap.array.shape else 0
+        codec.decode_into(ap.array, out[ap.row_start : ap.row_start + rows], "Finish part")
+    if header is None:
+        raise RecorderError("Finish: the server sent no header")
+    names = [f.name for f in header.fields]
+    states = {name: arr for name, arr in zip(names[2:], outputs[2:])}
+    return Trajectory(
+        outputs[0],
+        outputs[1],
+        states,
+        lengths=np.asarray(header.lengths, dtype=np.int64),
+        episode_worker=np.asarray(header.workers, dtype=np.int64),
+        episode_env=np.asarray(header.envs, dtype=np.int64),
+        episode_start=np.asarray(header.starts, dtype=np.int64),
+        episode_done=np.asarray(header.done, dtype=bool),
+        worker_ids=list(header.worker_ids),
+    )
+
+
+__all__ = ["RolloutRecorder"]

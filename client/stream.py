@@ -1,0 +1,287 @@
+"""The background chunk pipeline: encode, stream, take acks, reconnect, resend.
+
+record() only enqueues. One sender thread owns the gRPC Record stream: grpc's
+request-iterator thread encodes each chunk (zstd) just before it goes out, and
+the sender thread reads acknowledgements. Every chunk stays in memory until its
+ack arrives, so a lost connection resends exactly what was not acknowledged;
+(worker, sequence) makes the resend idempotent on the server.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from . import codec
+from ._proto import recorder_pb2 as pb
+from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
+
+logger = logging.getLogger(__name__)
+
+# Status codes after which the stream is reopened and unacknowledged chunks resent.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+
+
+@dataclass
+class PendingChunk:
+    """A chunk between record() and its acknowledgement."""
+
+    sequence: int
+    raw_bytes: int
+    # Host arrays (or device arrays with a host copy under way) until encoded.
+    arrays: dict[str, Any] | None
+    request: pb.RecordRequest | None = None
+    wire_bytes: int = 0
+
+
+@dataclass
+class SenderStats:
+    chunks_sent: int = 0
+    chunks_acked: int = 0
+    chunks_dropped_full: int = 0
+    chunks_dropped_in_flight: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    reconnects: int = 0
+    errors: list[RecorderError] = field(default_factory=list)
+
+
+def _to_host(value: Any) -> np.ndarray:
+    return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
+    arrays = item.arrays or {}
+    chunk = pb.Chunk(sequence=item.sequence)
+    chunk.action.CopyFrom(codec.encode_array(_to_host(arrays["action"]), level))
+    chunk.reward.CopyFrom(codec.encode_array(_to_host(arrays["reward"]), level))
+    done = _to_host(arrays["done"])
+    if done.dtype != np.bool_:
+        done = done.astype(bool)
+    chunk.done.CopyFrom(codec.encode_array(done, level))
+    for name, value in arrays.items():
+        if name.startswith("state:"):
+            chunk.states.append(
+                pb.NamedArray(name=name[6:], array=codec.encode_array(_to_host(value), level))
+            )
+    return pb.RecordRequest(chunk=chunk)
+
+
+class ChunkSender:
+    """Owns the Record stream of one worker."""
+
+    def __init__(
+        self,
+        *,
+        stub_factory: Callable[[], Any],
+        join: Callable[[], int],
+        session: str,
+        worker_id: str,
+        target: str,
+        max_bytes_in_flight: int,
+        compression_level: int,
+        reconnect_timeout: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self._stub_factory = stub_factory
+        self._join = join
+        self._session = session
+        self._worker_id = worker_id
+        self._target = target
+        self._max_in_flight = max_bytes_in_flight
+        self._level = compression_level
+        self._reconnect_timeout = reconnect_timeout
+        self._metadata = metadata
+        self._cond = threading.Condition()
+        self._to_send: collections.deque[PendingChunk] = collections.deque()
+        self._unacked: collections.OrderedDict[int, PendingChunk] = collections.OrderedDict()
+        self._in_flight = 0
+        self._generation = 0
+        self._closing = False
+        self._fatal: RecorderError | None = None
+        self.stats = SenderStats()
+        self.is_full = False
+        self.num_recorded_steps = 0
+        self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
+        self._thread.start()
+
+    # -- caller side -----------------------------------------------------
+    @property
+    def bytes_in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, item: PendingChunk, *, block: bool) -> bool:
+        """Queue a chunk; False when it was dropped for lack of room (block=False)."""
+        with self._cond:
+            self._raise_fatal()
+            while self._in_flight and self._in_flight + item.raw_bytes > self._max_in_flight:
+                if not block:
+                    self.stats.chunks_dropped_in_flight += 1
+                    return False
+                self._cond.wait(0.5)
+                self._raise_fatal()
+            self._in_flight += item.raw_bytes
+            self._to_send.append(item)
+            self._cond.notify_all()
+        return True
+
+    def flush(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._to_send or self._unacked:
+                self._raise_fatal()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"flush: {len(self._to_send) + len(self._unacked)} chunks still "
+                        f"unacknowledged after {timeout}s"
+                    )
+                self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
+            self._raise_fatal()
+
+    def take_errors(self) -> list[RecorderError]:
+        with self._cond:
+            errors, self.stats.errors = self.stats.errors, []
+            return errors
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    # -- sender thread ---------------------------------------------------
+    def _requests(self, generation: int) -> Iterator[pb.RecordRequest]:
+        yield pb.RecordRequest(open=pb.RecordOpen(session=self._session, worker_id=self._worker_id))
+        while True:
+            with self._cond:
+                while not self._to_send and not self._closing and generation == self._generation:
+                    self._cond.wait()
+                if generation != self._generation or (self._closing and not self._to_send):
+                    return
+                item = self._to_send.popleft()
+                self._unacked[item.sequence] = item
+            if item.request is None:
+                try:
+                    item.request = encode_chunk(item, self._level)
+                except Exception as exc:  # one bad array must not stall the chunks behind it
+                    with self._cond:
+                        self.stats.errors.append(
+                            InvalidChunkError(f"chunk {item.sequence} could not be encoded: {exc}")
+                        )
+                    # An empty chunk keeps the sequence gapless; the server refuses it.
+                    item.request = pb.RecordRequest(chunk=pb.Chunk(sequence=item.sequence))
+                item.arrays = None  # the encoded copy is all a resend needs
+                item.wire_bytes = item.request.ByteSize()
+            self.stats.chunks_sent += 1
+            yield item.request
+
+    def _run(self) -> None:
+        stub = self._stub_factory()
+        while True:
+            with self._cond:
+                if self._closing and not self._to_send and not self._unacked:
+                    return
+                generation = self._generation
+            try:
+                responses = stub.Record(self._requests(generation), metadata=self._metadata)
+                for ack in responses:
+                    self._on_ack(ack)
+                with self._cond:
+                    if self._closing and not self._to_send and not self._unacked:
+                        return
+                # The server ended the stream early; reopen it.
+                err: grpc.RpcError | None = None
+            except grpc.RpcError as exc:
+                err = exc
+            if err is not None and err.code() not in _RETRYABLE:
+                self._fail(from_rpc_error(err, self._target))
+                return
+            if not self._reconnect(err):
+                return
+            stub = self._stub_factory()
+
+    def _on_ack(self, ack: pb.RecordAck) -> None:
+        with self._cond:
+            item = self._unacked.pop(ack.sequence, None)
+            if item is None:
+                return
+            self._in_flight -= item.raw_bytes
+            self.stats.chunks_acked += 1
+            if ack.result == pb.RecordAck.REJECTED:
+                self.stats.errors.append(
+                    from_rpc_error_fields(ack.error_code, ack.error_message, self._target)
+                )
+            elif ack.result == pb.RecordAck.DROPPED_FULL:
+                self.stats.chunks_dropped_full += 1
+            else:
+                self.stats.raw_bytes += item.raw_bytes
+                self.stats.wire_bytes += item.wire_bytes
+            self.is_full = ack.is_full
+            self.num_recorded_steps = ack.num_recorded_steps
+            self._cond.notify_all()
+
+    def _reconnect(self, err: grpc.RpcError | None) -> bool:
+        """Rejoin with backoff, forget what the server already has, requeue the rest."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+        delay = 0.05
+        deadline = time.monotonic() + self._reconnect_timeout
+        reason = err.details() if err is not None else "stream ended"
+        while True:
+            with self._cond:
+                if self._closing and not self._to_send and not self._unacked:
+                    return False
+            try:
+                last = self._join()
+                break
+            except RecorderUnavailableError as exc:
+                if time.monotonic() + delay > deadline:
+                    self._fail(
+                        RecorderUnavailableError(
+                            f"lost the recorder server at {self._target} and could not reconnect "
+                            f"within {self._reconnect_timeout}s ({reason}; last: {exc})"
+                        )
+                    )
+                    return False
+            except RecorderError as exc:
+                self._fail(exc)
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        with self._cond:
+            self.stats.reconnects += 1
+            resend = [item for seq, item in self._unacked.items() if seq > last]
+            for seq, item in list(self._unacked.items()):
+                if seq <= last:
+                    self._in_flight -= item.raw_bytes
+            self._unacked.clear()
+            self._to_send.extendleft(reversed(resend))
+            self._cond.notify_all()
+        logger.info("reconnected to %s; resending %d chunks", self._target, len(resend))
+        return True
+
+    def _fail(self, exc: RecorderError) -> None:
+        with self._cond:
+            self._fatal = exc
+            self._cond.notify_all()
+        logger.error("recorder stream failed: %s", exc)
+
+
+def from_rpc_error_fields(code: str, message: str, target: str) -> RecorderError:
+    from .errors import from_status
+
+    return from_status(code or "UNKNOWN", message, target)

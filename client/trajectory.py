@@ -1,0 +1,118 @@
+"""The padded episodes finish() returns, with the metadata that tells padding apart."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .naming import RESERVED_NAMES
+
+_META = ("lengths", "episode_worker", "episode_env", "episode_start", "episode_done")
+
+
+class Trajectory:
+    """Padded episodes: every array field is (B, T_max, ...).
+
+    `actions` and `rewards` always exist; each recorded state field is an
+    attribute under its trajectory name (`player_positions` -> `positions`,
+    `map` -> `block_map`, any other name unchanged). Per episode: `lengths`
+    (real steps), `episode_worker`, `episode_env`, `episode_start` (step on that
+    worker's time axis) and `episode_done` (a done flag ended it). Steps at or
+    past `lengths[b]` are zero padding, not no-op actions.
+    """
+
+    def __init__(
+        self,
+        actions: np.ndarray,
+        rewards: np.ndarray,
+        states: dict[str, np.ndarray] | None = None,
+        *,
+        lengths: np.ndarray,
+        episode_worker: np.ndarray,
+        episode_env: np.ndarray,
+        episode_start: np.ndarray,
+        episode_done: np.ndarray,
+        worker_ids: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        self.actions = actions
+        self.rewards = rewards
+        self.states: dict[str, np.ndarray] = dict(states or {})
+        for name in self.states:
+            if name in RESERVED_NAMES:
+                raise ValueError(f"states: {name!r} is a reserved trajectory name")
+        self.lengths = lengths
+        self.episode_worker = episode_worker
+        self.episode_env = episode_env
+        self.episode_start = episode_start
+        self.episode_done = episode_done
+        self.worker_ids = tuple(worker_ids)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        states = self.__dict__.get("states", {})
+        if name in states:
+            return states[name]
+        raise AttributeError(
+            f"Trajectory has no field {name!r}; recorded state fields: {sorted(states)}"
+        )
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self.states))
+
+    @property
+    def num_episodes(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        return int(self.actions.shape[1])
+
+    @property
+    def fields(self) -> dict[str, np.ndarray]:
+        """Every padded array by trajectory name: actions, rewards, then state fields."""
+        return {"actions": self.actions, "rewards": self.rewards, **self.states}
+
+    def mask(self) -> np.ndarray:
+        """(B, T_max) bool: True on real steps, False on padding."""
+        return np.arange(self.max_length)[None, :] < self.lengths[:, None]
+
+    def to_factoriax(self) -> Any:
+        """The same arrays as a `factoriax.analysis.trajectory.Trajectory`.
+
+        Raises ImportError when factoriax is not installed. factoriax accepts only
+        its own field names, so other state fields make it raise TypeError.
+        """
+        try:
+            from factoriax.analysis.trajectory import Trajectory as FactoriaxTrajectory
+        except ImportError as exc:
+            raise ImportError(
+                "to_factoriax() needs the factoriax package (pip install factoriax)"
+            ) from exc
+        return FactoriaxTrajectory(actions=self.actions, rewards=self.rewards, **self.states)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write every array and the per-episode metadata to a compressed .npz."""
+        arrays: dict[str, Any] = {"actions": self.actions, "rewards": self.rewards}
+        for name, value in self.states.items():
+            arrays[f"state__{name}"] = value
+        for name in _META:
+            arrays[name] = getattr(self, name)
+        arrays["worker_ids"] = np.asarray(self.worker_ids, dtype=np.str_)
+        np.savez_compressed(path, **arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Trajectory:
+        with np.load(path, allow_pickle=False) as data:
+            states = {k[len("state__") :]: data[k] for k in data.files if k.startswith("state__")}
+            return cls(
+                data["actions"],
+                data["rewards"],
+                states,
+                worker_ids=[str(w) for w in data["worker_ids"]],
+                **{name: data[name] for name in _META},
+            )
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={tuple(v.shape)}:{v.dtype}" for k, v in self.fields.items())
+        return f"Trajectory(B={self.num_episodes}, T_max={self.max_length}, {fields})"

@@ -1,0 +1,75 @@
+"""Build and start the gRPC server."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+from .service import RecorderService, ServiceLimits
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Everything `rollout-recorder serve` can set."""
+
+    # HOST:PORT (port 0 picks a free one) or unix:PATH. Loopback unless told otherwise.
+    listen: str = DEFAULT_LISTEN
+    # Where sessions keep their files.
+    data_dir: str = "./recorder-data"
+    # Handler threads; each open Record stream holds one.
+    threads: int = 64
+    # Largest gRPC message accepted or sent.
+    max_message_bytes: int = 256 << 20
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    service: RecorderService
+    address: str
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        self.server.stop(grace).wait()
+
+
+def bound_address(listen: str, port: int) -> str:
+    if listen.startswith("unix:"):
+        return listen
+    host = listen.rsplit(":", 1)[0]
+    return f"{host}:{port}"
+
+
+def start_server(options: ServerOptions) -> RunningServer:
+    Path(options.data_dir).mkdir(parents=True, exist_ok=True)
+    service = RecorderService(options.limits)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="recorder"),
+        options=[
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+        maximum_concurrent_rpcs=options.threads * 4,
+    )
+    pb_grpc.add_RecorderServicer_to_server(service, server)
+    try:
+        port = server.add_insecure_port(options.listen)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {options.listen!r}: {exc}") from None
+    if port == 0 and not options.listen.startswith("unix:"):
+        raise OSError(f"cannot listen on {options.listen!r}")
+    server.start()
+    address = bound_address(options.listen, port)
+    logger.info("listening on %s", address)
+    return RunningServer(server, service, address)

@@ -1,0 +1,93 @@
+"""The `rollout-recorder` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from .app import DEFAULT_LISTEN, ServerOptions, start_server
+from .service import ServiceLimits
+
+logger = logging.getLogger("recorder_server")
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    # The embedded server's parent holds our stdin; EOF means the parent is gone.
+    # os.read on the raw fd: a daemon thread blocked in a buffered read would
+    # abort the interpreter at exit.
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    stop.set()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    options = ServerOptions(
+        listen=args.listen,
+        data_dir=args.data_dir,
+        threads=args.threads,
+        max_message_bytes=args.max_message_mib << 20,
+        limits=ServiceLimits(
+            max_sessions=args.max_sessions, max_workers_per_session=args.max_workers
+        ),
+    )
+    try:
+        running = start_server(options)
+    except OSError as exc:
+        print(f"rollout-recorder: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.exit_with_stdin:
+        threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    print(f"rollout-recorder listening on {running.address}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    logger.info("stopping")
+    running.stop(grace=args.grace)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-recorder", description="Out-of-process rollout recorder for RL training."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("ROLLOUT_RECORDER_LOG", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a recorder server")
+    serve.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        help="HOST:PORT (port 0 picks one) or unix:PATH; default %(default)s",
+    )
+    serve.add_argument("--data-dir", default="./recorder-data", help="default %(default)s")
+    serve.add_argument("--threads", type=int, default=64, help="handler threads (one per stream)")
+    serve.add_argument("--max-message-mib", type=int, default=256, help="gRPC message cap")
+    serve.add_argument("--max-sessions", type=int, default=64)
+    serve.add_argument("--max-workers", type=int, default=1024, help="workers per session")
+    serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on stop")
+    serve.add_argument(
+        "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"
+    )
+    serve.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""Episode splitting and assembly: the pure core of a recording session.
+
+Chunks are kept as they arrived on the wire (compressed); only their episode
+boundaries are computed at ingest. `assemble` rebuilds the padded result the
+in-process recorder returns: chunks joined along time per worker, split per
+environment at the done flags, environment by environment, worker by worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recorder_client.naming import trajectory_name
+
+
+@dataclass(frozen=True)
+class EncodedArray:
+    """An array held in its wire encoding; `decode` gives it back."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    codec: int
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def decode(self) -> np.ndarray:
+        from recorder_client import codec
+        from recorder_client._proto import recorder_pb2 as pb
+
+        msg = pb.ArrayData(
+            dtype=self.dtype.str,
+            shape=self.shape,
+            raw_size=self.nbytes,
+            codec=self.codec,
+            data=self.data,
+        )
+        return codec.decode_array(msg, "stored")
+
+
+@dataclass
+class StoredChunk:
+    """One stored chunk: its place on the worker's time axis and its arrays."""
+
+    t0: int
+    length: int
+    arrays: dict[str, EncodedArray]  # "action", "reward", "done", "state:<name>"
+    wire_bytes: int
+
+
+@dataclass
+class EpisodeTable:
+    """Per-episode metadata of one worker, in ingest order."""
+
+    env: list[np.ndarray] = field(default_factory=list)
+    start: list[np.ndarray] = field(default_factory=list)
+    end: list[np.ndarray] = field(default_factory=list)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.env:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(self.env), np.concatenate(self.start), np.concatenate(self.end)
+
+
+class WorkerTimeline:
+    """The time axis of one worker: stored chunks and finished episodes per env."""
+
+    def __init__(self, worker_id: str, index: int) -> None:
+        self.worker_id = worker_id
+        self.index = index
+        self.clear()
+
+    def clear(self) -> None:
+        self.num_envs: int | None = None
+        self.state_names: tuple[str, ...] | None = None
+        self.chunks: list[StoredChunk] = []
+        self.t_total = 0
+        self.open_start: np.ndarray | None = None  # (N,) start of each env's open tail
+        self.finished_per_env: np.ndarray | None = None  # (N,) finished episode counts
+        self.table = EpisodeTable()
+        self.episodes_finished = 0
+        self.raw_bytes = 0
+        self.wire_bytes = 0
+        self.chunks_dropped = 0
+
+    def add_chunk(
+        self, dones: np.ndarray, arrays: dict[str, EncodedArray], wire_bytes: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Store a validated chunk and split it at its done flags.
+
+        Returns the (env, start, end) arrays of the episodes this chunk finished,
+        on the worker's time axis.
+        """
+        length, n = dones.shape
+        if self.num_envs is None:
+            self.num_envs = n
+            self.open_start = np.zeros(n, dtype=np.int64)
+            self.finished_per_env = np.zeros(n, dtype=np.int64)
+        assert self.open_start is not None and self.finished_per_env is not None
+        t0 = self.t_total
+        # Sorted by env, then by time: the order finish() lists episodes in.
+        env, t = np.nonzero(dones.T)
+        env = env.astype(np.int64)
+        end = t.astype(np.int64) + t0 + 1
+        start = np.empty_like(end)
+        if end.size:
+            start[1:] = end[:-1]
+            first = np.ones(end.size, dtype=bool)
+            first[1:] = env[1:] != env[:-1]
+            start[first] = self.open_start[env[first]]
+            last = np.ones(end.size, dtype=bool)
+            last[:-1] = env[1:] != env[:-1]
+            self.open_start[env[last]] = end[last]
+            np.add.at(self.finished_per_env, env, 1)
+            self.table.env.append(env)
+            self.table.start.append(start)
+            self.table.end.append(end)
+        self.chunks.append(StoredChunk(t0, length, arrays, wire_bytes))
+        self.t_total += length
+        self.episodes_finished += int(end.size)
+        self.raw_bytes += sum(a.nbytes for a in arrays.values())
+        self.wire_bytes += wire_bytes
+        return env, start, end
+
+    def episodes(self, pad_incomplete: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(env, start, end, done) of every episode, env by env, in time order."""
+        env, start, end = self.table.arrays()
+        done = np.ones(env.size, dtype=bool)
+        if pad_incomplete and self.num_envs:
+            assert self.open_start is not None and self.finished_per_env is not None
+            # The in-process rule: keep the tail when the env never finished an
+            # episode (even an empty one), or when steps follow its last done.
+            keep = (self.finished_per_env == 0) | (self.open_start < self.t_total)
+            tail_env = np.nonzero(keep)[0].astype(np.int64)
+            env = np.concatenate([env, tail_env])
+            start = np.concatenate([start, self.open_start[tail_env]])
+            end = np.concatenate([end, np.full(tail_env.size, self.t_total, dtype=np.int64)])
+            done = np.concatenate([done, np.zeros(tail_env.size, dtype=bool)])
+        order = np.lexsort((start, env))
+        return env[order], start[order], end[order], done[order]
+
+
+
+def field_array(chunks: list[StoredChunk], key: str, until: int) -> np.ndarray:
+    """Decode and join one field over the chunks that begin before `until`."""
+    parts = [c.arrays[key].decode() for i, c in enumerate(chunks) if c.t0 < until or i == 0]
+    return np.concatenate(parts, axis=0)
+
+
+@dataclass
+class FieldOut:
+    """One padded output field: its trajectory name, source key, dtype and trailing shape."""
+
+    name: str
+    key: str
+    dtype: np.dtype
+    trailing: tuple[int, ...]
+
+
+@dataclass
+class Assembly:
+    """What finish() returns, before it is streamed: metadata plus a row filler."""
+
+    num_episodes: int
+    max_length: int
+    lengths: np.ndarray
+    workers: np.ndarray
+    envs: np.ndarray
+    starts: np.ndarray
+    done: np.ndarray
+    fields: list[FieldOut]
+    # Per worker: its chunks, the result rows it owns and those rows' (env, start, end).
+    per_worker: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+    def build_field(self, spec: FieldOut) -> np.ndarray:
+        """The whole padded (B, T_max, ...) array of one field."""
+        out = np.zeros((self.num_episodes, self.max_length, *spec.trailing), dtype=spec.dtype)
+        for chunks, rows, env, start, end in self.per_worker:
+            if rows.size == 0:
+                continue
+            src = field_array(chunks, spec.key, int(end.max()))
+            for row, e, s, t in zip(rows.tolist(), env.tolist(), start.tolist(), end.tolist()):
+                # Assignment casts (rewards -> float32) exactly as the in-process recorder does.
+                out[row, : t - s] = src[s:t, e]
+        return out
+
+
+class NoEpisodesError(ValueError):
+    """finish() found nothing to return; the message is the in-process recorder's."""
+
+
+NO_DATA_MESSAGE = "No data recorded. Call record() first."
+NO_EPISODES_MESSAGE = (
+    "No complete episodes found. Try recording more steps or set pad_incomplete=True."
+)
+
+
+def assemble(
+    timelines: list[WorkerTimeline],
+    *,
+    pad_incomplete: bool,
+    max_episodes: int | None,
+    schema: dict[str, tuple[np.dtype, tuple[int, ...]]],
+    state_order: list[str],
+) -> Assembly:
+    """Plan the padded result: which episode goes to which row, and the fields."""
+    if not any(tl.chunks for tl in timelines):
+        raise NoEpisodesError(NO_DATA_MESSAGE)
+    per: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    total = 0
+    metas = []
+    for tl in timelines:
+        if not tl.chunks:
+            continue
+        env, start, end, done = tl.episodes(pad_incomplete)
+        if max_episodes is not None:
+            take = max(0, min(env.size, max_episodes - total))
+            env, start, end, done = env[:take], start[:take], end[:take], done[:take]
+        rows = np.arange(total, total + env.size, dtype=np.int64)
+        total += env.size
+        per.append((list(tl.chunks), rows, env, start, end))
+        metas.append((tl.index, env, start, end, done))
+    if total == 0:
+        raise NoEpisodesError(NO_EPISODES_MESSAGE)
+    lengths = np.concatenate([m[3] - m[2] for m in metas])
+    fields = [
+        FieldOut("actions", "action", *schema["action"]),
+        FieldOut("rewards", "reward", np.dtype(np.float32), ()),
+    ]
+    for name in state_order:
+        key = f"state:{name}"
+        if key in schema:
+            fields.append(FieldOut(trajectory_name(name), key, *schema[key]))
+    return Assembly(
+        num_episodes=total,
+        max_length=int(lengths.max()),
+        lengths=lengths,
+        workers=np.concatenate([np.full(m[1].size, m[0], dtype=np.int64) for m in metas]),
+        envs=np.concatenate([m[1] for m in metas]),
+        starts=np.concatenate([m[2] for m in metas]),
+        done=np.concatenate([m[4] for m in metas]),
+        fields=fields,
+        per_worker=per,
+    )

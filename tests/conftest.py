@@ -1,0 +1,94 @@
+"""Fixtures: real recorder servers on real ports (in-process or as a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from recorder_server import ServerOptions, start_server
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator:
+    """An in-process server on 127.0.0.1, port 0."""
+    running = start_server(ServerOptions(listen="127.0.0.1:0", data_dir=str(tmp_path / "data")))
+    try:
+        yield running
+    finally:
+        running.stop(grace=0)
+
+
+@pytest.fixture
+def target(server) -> str:
+    return server.address
+
+
+class ServerProcess:
+    """`rollout-recorder serve` as a child process; `address` is what it printed."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.data_dir = data_dir
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0",
+             "--data-dir", str(data_dir), *extra],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line.startswith("rollout-recorder listening on "), line
+        self.address = line.rsplit(" ", 1)[1].strip()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout:
+            self.process.stdout.close()
+        return self.process.returncode
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path / "data")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); read its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
