@@ -44,9 +44,7 @@ class ArrayDecodeError(ValueError):
 
 def check_dtype(dtype: np.dtype, what: str) -> None:
     if dtype.kind not in _ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
-        raise ValueError(
-            f"{what}: expected a numeric or bool dtype, got {dtype.str!r} ({dtype})"
-        )
+        raise ValueError(f"{what}: expected a numeric or bool dtype, got {dtype.str!r} ({dtype})")
 
 
 def encode_array(arr: np.ndarray, level: int = DEFAULT_LEVEL) -> pb.ArrayData:
@@ -67,7 +65,9 @@ def parse_dtype(text: str, what: str) -> np.dtype:
     try:
         dtype = np.dtype(text)
     except TypeError as exc:
-        raise ArrayDecodeError(f"{what}.dtype: expected a numpy dtype string, got {text!r}") from exc
+        raise ArrayDecodeError(
+            f"{what}.dtype: expected a numpy dtype string, got {text!r}"
+        ) from exc
     try:
         check_dtype(dtype, f"{what}.dtype")
     except ValueError as exc:
@@ -88,9 +88,7 @@ def declared(msg: pb.ArrayData, what: str, max_raw: int) -> tuple[np.dtype, tupl
             f"{list(shape)}, got {msg.raw_size}"
         )
     if expected > max_raw:
-        raise ArrayDecodeError(
-            f"{what}.raw_size: expected at most {max_raw} bytes, got {expected}"
-        )
+        raise ArrayDecodeError(f"{what}.raw_size: expected at most {max_raw} bytes, got {expected}")
     return dtype, shape
 
 

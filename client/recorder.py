@@ -20,7 +20,7 @@ from ._proto import recorder_pb2 as pb
 from ._proto import recorder_pb2_grpc as pb_grpc
 from .embedded import EmbeddedServer
 from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
-from .naming import check_state_fields, trajectory_name
+from .naming import check_state_fields
 from .stream import ChunkSender, PendingChunk
 from .trajectory import Trajectory
 

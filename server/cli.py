@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"
     )
     serve.set_defaults(func=cmd_serve)
+
+    from . import demo
+
+    demo.add_parsers(sub)
     return parser
 
 

@@ -40,8 +40,17 @@ class ServerProcess:
     def __init__(self, data_dir: Path, *extra: str) -> None:
         self.data_dir = data_dir
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0",
-             "--data-dir", str(data_dir), *extra],
+            [
+                sys.executable,
+                "-m",
+                "recorder_server",
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(data_dir),
+                *extra,
+            ],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -91,8 +91,13 @@ def test_seed_value_errors(target):
     with RolloutRecorder(target=target, session="errs") as rec:
         with pytest.raises(ValueError, match="No data recorded"):
             rec.finish()
-        rec.record({"action": np.zeros((4, 2), np.int32), "reward": np.zeros((4, 2)),
-                    "done": np.zeros((4, 2), bool)})
+        rec.record(
+            {
+                "action": np.zeros((4, 2), np.int32),
+                "reward": np.zeros((4, 2)),
+                "done": np.zeros((4, 2), bool),
+            }
+        )
         with pytest.raises(ValueError, match="No complete episodes found"):
             rec.finish(pad_incomplete=False)
         assert rec.finish(pad_incomplete=True).actions.shape == (2, 4)
@@ -113,8 +118,12 @@ def test_is_full_drops_later_chunks(target):
 
 
 BAD_INPUTS = {
-    "N differs": lambda c: {**c, "action": np.zeros((6, 4), np.int32),
-                            "reward": np.zeros((6, 4), np.float32), "done": np.zeros((6, 4), bool)},
+    "N differs": lambda c: {
+        **c,
+        "action": np.zeros((6, 4), np.int32),
+        "reward": np.zeros((6, 4), np.float32),
+        "done": np.zeros((6, 4), bool),
+    },
     "action trailing shape": lambda c: {**c, "action": np.zeros((6, 3, 2), np.int32)},
     "action dtype": lambda c: {**c, "action": c["action"].astype(np.int64)},
     "reward length": lambda c: {**c, "reward": np.zeros((5, 3), np.float32)},
@@ -161,20 +170,31 @@ def test_session_config_mismatch(target):
         with pytest.raises(SessionMismatchError) as info:
             RolloutRecorder(max_episodes=8, target=target, session="cfg")
         assert "max_episodes=4" in str(info.value) and "8" in str(info.value)
-        rec.record({"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)),
-                    "done": np.ones((2, 1), bool)})
+        rec.record(
+            {"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)), "done": np.ones((2, 1), bool)}
+        )
         assert rec.finish().num_episodes == 2
 
 
 def test_server_side_validation_refuses_and_keeps_session(target):
     """A chunk that bypasses client checks (another client, another dtype) is refused by the server."""
     with RolloutRecorder(target=target, session="srv", worker_id="a") as rec:
-        rec.record({"action": np.zeros((3, 2), np.int32), "reward": np.zeros((3, 2)),
-                    "done": np.ones((3, 2), bool)})
+        rec.record(
+            {
+                "action": np.zeros((3, 2), np.int32),
+                "reward": np.zeros((3, 2)),
+                "done": np.ones((3, 2), bool),
+            }
+        )
         rec.flush()
         with RolloutRecorder(target=target, session="srv", worker_id="b") as other:
-            other.record({"action": np.zeros((3, 2), np.int64), "reward": np.zeros((3, 2)),
-                          "done": np.ones((3, 2), bool)})
+            other.record(
+                {
+                    "action": np.zeros((3, 2), np.int64),
+                    "reward": np.zeros((3, 2)),
+                    "done": np.ones((3, 2), bool),
+                }
+            )
             with pytest.raises(InvalidChunkError, match="action.dtype: expected int32.*got int64"):
                 other.flush()
         out = rec.finish()
@@ -203,8 +223,12 @@ def test_server_side_validation_refuses_and_keeps_session(target):
     reqs = [pb.RecordRequest(open=pb.RecordOpen(session="srv2", worker_id="raw"))]
     reqs += [pb.RecordRequest(chunk=c) for c in (good, lying, corrupt, good4)]
     acks = list(stub.Record(iter(reqs)))
-    assert [a.result for a in acks] == [pb.RecordAck.STORED, pb.RecordAck.REJECTED,
-                                        pb.RecordAck.REJECTED, pb.RecordAck.STORED]
+    assert [a.result for a in acks] == [
+        pb.RecordAck.STORED,
+        pb.RecordAck.REJECTED,
+        pb.RecordAck.REJECTED,
+        pb.RecordAck.STORED,
+    ]
     assert "chunk.action.raw_size: expected 16 bytes" in acks[1].error_message
     assert "chunk.reward" in acks[2].error_message
     # A resend of an already-taken sequence is acknowledged and not applied twice.
@@ -236,14 +260,21 @@ def test_constructor_validation():
 def test_any_state_field_name_and_save_load(target, tmp_path):
     rng = np.random.default_rng(5)
     fields = ["map", "fuel_level", "player_positions"]
-    with RolloutRecorder(record_states=True, state_fields=fields, target=target, session="any") as rec:
+    with RolloutRecorder(
+        record_states=True, state_fields=fields, target=target, session="any"
+    ) as rec:
         T, N = 5, 2
         rec.record(
-            {"action": rng.integers(0, 3, (T, N, 2)).astype(np.uint8),
-             "reward": rng.random((T, N)), "done": rng.random((T, N)) < 0.3},
-            {"map": rng.integers(0, 5, (T, N, 4, 4)).astype(np.int8),
-             "fuel_level": rng.random((T, N)).astype(np.float16),
-             "player_positions": rng.integers(0, 9, (T, N, 2, 2))},
+            {
+                "action": rng.integers(0, 3, (T, N, 2)).astype(np.uint8),
+                "reward": rng.random((T, N)),
+                "done": rng.random((T, N)) < 0.3,
+            },
+            {
+                "map": rng.integers(0, 5, (T, N, 4, 4)).astype(np.int8),
+                "fuel_level": rng.random((T, N)).astype(np.float16),
+                "player_positions": rng.integers(0, 9, (T, N, 2, 2)),
+            },
         )
         out = rec.finish()
     assert out.block_map.dtype == np.int8 and out.fuel_level.dtype == np.float16

@@ -1,0 +1,33 @@
+# Every target does its own set-up from a bare clone: a virtualenv in .venv, then the install.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[server,dev]'
+	# The in-process reference recorder, without its jax/matplotlib stack.
+	$(PY) -m pip install --quiet --no-deps factoriax==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m recorder_server demo
+
+test: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

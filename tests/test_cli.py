@@ -1,0 +1,73 @@
+"""`rollout-recorder serve`: prints its bound address, stops cleanly on signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ServerProcess
+from recorder_client import RolloutRecorder
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_serve_prints_address_and_stops_on_signal(tmp_path, sig):
+    proc = ServerProcess(tmp_path / "data")
+    host, port = proc.address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    with RolloutRecorder(target=proc.address, session="cli") as rec:
+        rec.record(
+            {"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)), "done": np.ones((2, 1))}
+        )
+        assert rec.finish().num_episodes == 2
+    proc.process.send_signal(sig)
+    assert proc.process.wait(20) == 0
+
+
+def test_serve_on_unix_socket(tmp_path):
+    sock = tmp_path / "r.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "recorder_server",
+            "serve",
+            "--listen",
+            f"unix:{sock}",
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        assert line == f"rollout-recorder listening on unix:{sock}"
+        with RolloutRecorder(target=f"unix:{sock}") as rec:
+            assert rec.status().session == "default"
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+        proc.stdout.close()
+
+
+def test_serve_reports_a_busy_port(tmp_path, server_process):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recorder_server",
+            "serve",
+            "--listen",
+            server_process.address,
+            "--data-dir",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2 and "cannot listen" in out.stderr

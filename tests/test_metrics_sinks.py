@@ -1,0 +1,334 @@
+"""MetricsTracker against its real sinks: a scraped HTTP endpoint, event files, JSON lines."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from recorder_server.metrics import (
+    MetricsConfig,
+    MetricsTracker,
+    WriteGate,
+    fold_tag,
+    prometheus_name,
+)
+
+EVERY_CALL = WriteGate(min_interval_s=0.0, every_n_steps=0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scrape(host: str, port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Sample name + sorted labels -> value, from a real HTTP scrape."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def family_types(host: str, port: int) -> dict[str, str]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_tensorboard(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {
+        tag: [(event.step, event.value) for event in acc.Scalars(tag)]
+        for tag in acc.Tags()["scalars"]
+    }
+
+
+@pytest.fixture
+def tracker():
+    t = MetricsTracker(MetricsConfig())
+    yield t
+    t.close()
+
+
+# --------------------------------------------------------------------------------- Prometheus
+
+
+def test_scrape_counters_gauges_and_scalars(tracker: MetricsTracker) -> None:
+    host, port = tracker.start_http("127.0.0.1", 0)
+    assert host == "127.0.0.1" and port > 0
+
+    tracker.inc("Recorder/raw_bytes", 100)
+    tracker.inc("Recorder/raw_bytes", 23.5)
+    for _ in range(3):
+        tracker.inc("Recorder/chunks", session="default")
+    tracker.inc("Recorder/chunks", 2, session="other")
+    tracker.set("Recorder/sessions_open", 2)
+    tracker.set("Recorder/sessions_open", 1)
+    tracker.log("Episode/return_mean", 1.25, step=10)
+    tracker.log_many({"Episode/return_mean": 2.5, "Episode/length_mean": 40}, step=11)
+    tracker.log("Worker/steps", 7, step=11, worker=3)
+
+    samples = scrape(host, port)
+    assert samples[("rollout_recorder_raw_bytes_total", ())] == 123.5
+    assert samples[("rollout_recorder_chunks_total", (("session", "default"),))] == 3
+    assert samples[("rollout_recorder_chunks_total", (("session", "other"),))] == 2
+    assert samples[("rollout_recorder_sessions_open", ())] == 1
+    assert samples[("rollout_episode_return_mean", ())] == 2.5
+    assert samples[("rollout_episode_length_mean", ())] == 40
+    assert samples[("rollout_worker_steps", (("worker", "3"),))] == 7
+
+    types = family_types(host, port)
+    assert types["rollout_recorder_raw_bytes"] == "counter"
+    assert types["rollout_recorder_chunks"] == "counter"
+    assert types["rollout_recorder_sessions_open"] == "gauge"
+    assert types["rollout_episode_return_mean"] == "gauge"
+
+
+def test_own_registry_not_global() -> None:
+    a = MetricsTracker(MetricsConfig())
+    b = MetricsTracker(MetricsConfig())
+    try:
+        a.inc("Recorder/chunks", 5)
+        b.inc("Recorder/chunks", 1)
+        assert b"rollout_recorder_chunks_total 5.0" in generate_latest(a.registry)
+        assert b"rollout_recorder_chunks_total 1.0" in generate_latest(b.registry)
+        assert b"rollout_recorder_chunks" not in generate_latest(REGISTRY)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_concurrent_increments_are_not_lost(tracker: MetricsTracker) -> None:
+    host, port = tracker.start_http("127.0.0.1", 0)
+    n_threads, n_incs = 8, 2000
+
+    def work(i: int) -> None:
+        for k in range(n_incs):
+            tracker.inc("Recorder/chunks", session=f"s{i % 2}")
+            tracker.inc("Recorder/raw_bytes", 2)
+            tracker.log("Episode/return_mean", float(k), step=k)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    samples = scrape(host, port)
+    half = n_threads // 2 * n_incs
+    assert samples[("rollout_recorder_chunks_total", (("session", "s0"),))] == half
+    assert samples[("rollout_recorder_chunks_total", (("session", "s1"),))] == half
+    assert samples[("rollout_recorder_raw_bytes_total", ())] == 2 * n_threads * n_incs
+    snap = tracker.snapshot()
+    assert snap["Recorder/chunks/session=s0"] == half
+    assert snap["Recorder/raw_bytes"] == 2 * n_threads * n_incs
+
+
+def test_close_stops_http_server() -> None:
+    t = MetricsTracker(MetricsConfig())
+    host, port = t.start_http("127.0.0.1", 0)
+    t.inc("Recorder/chunks")
+    assert scrape(host, port)[("rollout_recorder_chunks_total", ())] == 1
+    t.close()
+    with pytest.raises(urllib.error.URLError) as err:
+        urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2)
+    assert isinstance(err.value.reason, ConnectionRefusedError)
+    t.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        t.start_http("127.0.0.1", 0)
+
+
+def test_second_endpoint_and_disabled_prometheus_raise(tracker: MetricsTracker) -> None:
+    tracker.start_http("127.0.0.1", 0)
+    with pytest.raises(RuntimeError, match="already serving"):
+        tracker.start_http("127.0.0.1", 0)
+    bare = MetricsTracker(MetricsConfig(prometheus=False))
+    assert bare.registry is None
+    with pytest.raises(RuntimeError, match="disabled"):
+        bare.start_http("127.0.0.1", 0)
+    bare.close()
+
+
+# ------------------------------------------------------------------------- pushed sinks
+
+
+def test_tensorboard_and_jsonl_every_call(tmp_path: Path) -> None:
+    config = MetricsConfig(
+        tensorboard_dir=tmp_path / "tb",
+        tensorboard_gate=EVERY_CALL,
+        jsonl_path=tmp_path / "metrics.jsonl",
+        jsonl_gate=EVERY_CALL,
+    )
+    with MetricsTracker(config) as t:
+        t.log_many({"Episode/return_mean": 1.0, "Episode/length_mean": 10.0}, step=1)
+        t.inc("Recorder/chunks", 4, session="default")
+        t.log_many({"Episode/return_mean": 2.0}, step=2)
+        t.log("Episode/return_mean", -3.5, step=5)
+        t.log("Episode/nan_metric", float("nan"), step=5)
+
+    scalars = read_tensorboard(tmp_path / "tb")
+    assert scalars["Episode/return_mean"] == [(1, 1.0), (2, 2.0), (5, -3.5)]
+    assert scalars["Episode/length_mean"] == [(1, 10.0)]  # unchanged later: not rewritten
+    assert scalars["Recorder/chunks/session=default"] == [(2, 4.0)]  # rides along at step 2
+
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert all(set(line) == {"step", "time", "tag", "value"} for line in lines)
+    got = [(line["step"], line["tag"], line["value"]) for line in lines]
+    assert got == [
+        (1, "Episode/return_mean", 1.0),
+        (1, "Episode/length_mean", 10.0),
+        (2, "Episode/return_mean", 2.0),
+        (2, "Recorder/chunks/session=default", 4.0),
+        (5, "Episode/return_mean", -3.5),
+        (5, "Episode/nan_metric", None),
+    ]
+    assert all(isinstance(line["time"], float) and line["time"] > 1.6e9 for line in lines)
+
+
+def test_time_gate_suppresses_writes_but_prometheus_sees_latest(tmp_path: Path) -> None:
+    clock = FakeClock()
+    jsonl = tmp_path / "m.jsonl"
+    config = MetricsConfig(jsonl_path=jsonl, jsonl_gate=WriteGate(min_interval_s=10.0))
+    t = MetricsTracker(config, clock=clock)
+    try:
+        host, port = t.start_http("127.0.0.1", 0)
+        t.log("Episode/return_mean", 1.0, step=1)  # first call writes
+        clock.now += 1
+        t.log("Episode/return_mean", 2.0, step=2)  # within 10 s: gated
+        clock.now += 1
+        t.log("Episode/return_mean", 3.0, step=3)  # gated
+        t.inc("Recorder/chunks", 7)  # inc never writes by itself
+
+        assert [(x["step"], x["value"]) for x in read_jsonl(jsonl)] == [(1, 1.0)]
+        samples = scrape(host, port)
+        assert samples[("rollout_episode_return_mean", ())] == 3.0
+        assert samples[("rollout_recorder_chunks_total", ())] == 7
+        assert t.snapshot() == {"Episode/return_mean": 3.0, "Recorder/chunks": 7.0}
+
+        clock.now += 8.5  # 10.5 s after the first write
+        t.log("Episode/length_mean", 9.0, step=4)
+        got = [(x["step"], x["tag"], x["value"]) for x in read_jsonl(jsonl)]
+        assert got == [
+            (1, "Episode/return_mean", 1.0),
+            (3, "Episode/return_mean", 3.0),  # coalesced: latest value at its own step
+            (4, "Episode/length_mean", 9.0),
+            (4, "Recorder/chunks", 7.0),  # counters at the current step
+        ]
+    finally:
+        t.close()
+
+
+def test_step_gate_and_flush(tmp_path: Path) -> None:
+    jsonl = tmp_path / "m.jsonl"
+    config = MetricsConfig(
+        jsonl_path=jsonl, jsonl_gate=WriteGate(min_interval_s=0, every_n_steps=5)
+    )
+    t = MetricsTracker(config, clock=FakeClock())
+    for step in range(12):
+        t.log("A/x", float(step), step=step)
+    assert [x["step"] for x in read_jsonl(jsonl)] == [0, 5, 10]
+    t.log("A/x", 100.0, step=11)
+    t.set("A/level", 4.0)
+    t.flush()  # ignores the gate
+    rows = [(x["step"], x["tag"], x["value"]) for x in read_jsonl(jsonl)]
+    assert rows[3:] == [(11, "A/x", 100.0), (11, "A/level", 4.0)]
+    t.flush()  # nothing new: nothing written
+    assert len(read_jsonl(jsonl)) == 5
+    t.log("A/x", 1.0, step=0)  # step went backwards (reset): counts as advanced
+    last = read_jsonl(jsonl)[-1]
+    assert (last["step"], last["tag"], last["value"]) == (0, "A/x", 1.0)
+    t.close()
+
+
+def test_tensorboard_gate(tmp_path: Path) -> None:
+    clock = FakeClock()
+    config = MetricsConfig(tensorboard_dir=tmp_path, tensorboard_gate=WriteGate(min_interval_s=5.0))
+    t = MetricsTracker(config, clock=clock)
+    for step in range(20):
+        clock.now += 1.0
+        t.log_many({"Episode/return_mean": float(step), "Episode/length_mean": 2.0 * step}, step)
+    t.close()  # flushes pending step 19
+    scalars = read_tensorboard(tmp_path)
+    assert [s for s, _ in scalars["Episode/return_mean"]] == [0, 5, 10, 15, 19]
+    assert scalars["Episode/length_mean"][-1] == (19, 38.0)
+
+
+# -------------------------------------------------------------------------- API rules
+
+
+def test_snapshot_plain_types(tracker: MetricsTracker) -> None:
+    import numpy as np
+
+    tracker.inc("Recorder/chunks", np.int64(3), session="a", worker=1)
+    tracker.set("Recorder/open", np.float32(1.5))
+    tracker.log_many({"Episode/return_mean": np.float64(0.25)}, np.int64(4))
+    snap = tracker.snapshot()
+    assert snap == {
+        "Recorder/chunks/session=a/worker=1": 3.0,
+        "Recorder/open": 1.5,
+        "Episode/return_mean": 0.25,
+    }
+    assert all(type(k) is str and type(v) is float for k, v in snap.items())
+    assert tracker.current_step == 4
+
+
+def test_invalid_uses_raise(tracker: MetricsTracker) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        tracker.inc("Recorder/chunks", -1)
+    with pytest.raises(ValueError):
+        tracker.inc("Recorder/chunks", float("nan"))
+    tracker.inc("Recorder/chunks", 1, session="a")
+    with pytest.raises(ValueError, match="is a counter"):
+        tracker.set("Recorder/chunks", 1, session="a")
+    with pytest.raises(ValueError, match="labels"):
+        tracker.inc("Recorder/chunks", 1, worker="a")
+    with pytest.raises(ValueError, match="same Prometheus name"):
+        tracker.set("Recorder.chunks_total", 1)
+    with pytest.raises(ValueError, match="label name"):
+        tracker.inc("Recorder/other", 1, __bad="x")
+    with pytest.raises(TypeError):
+        tracker.log("Episode/x", 1.0, step=1.5)  # steps are integers
+    with pytest.raises(ValueError):
+        WriteGate(min_interval_s=-1)
+    # the failed calls left the good series intact
+    assert tracker.snapshot() == {"Recorder/chunks/session=a": 1.0}
+
+
+def test_naming() -> None:
+    assert prometheus_name("Recorder/raw_bytes", counter=True) == "rollout_recorder_raw_bytes_total"
+    assert prometheus_name("Recorder/rawBytes", counter=True) == "rollout_recorder_raw_bytes_total"
+    assert prometheus_name("Episode/return_mean", counter=False) == "rollout_episode_return_mean"
+    assert prometheus_name("A/done_total", counter=True) == "rollout_a_done_total"
+    assert prometheus_name("Trajectories/episodes captured", counter=True, namespace="") == (
+        "trajectories_episodes_captured_total"
+    )
+    assert fold_tag("Recorder/chunks", {"worker": 2, "session": "x"}) == (
+        "Recorder/chunks/session=x/worker=2"
+    )
+
+
+def test_bad_value_does_not_poison_the_series(tracker: MetricsTracker) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        tracker.log("Episode/return_mean", "not a number", step=1)  # type: ignore[arg-type]
+    tracker.log("Episode/return_mean", 2.0, step=2)
+    assert tracker.snapshot() == {"Episode/return_mean": 2.0}
