@@ -1,7 +1,7 @@
 """Regenerate client/_proto from proto/ (the one way generated code is made).
 
-    python scripts/gen_protos.py          # rewrite client/_proto
-    python scripts/gen_protos.py --check  # fail if the committed code differs
+python scripts/gen_protos.py          # rewrite client/_proto
+python scripts/gen_protos.py --check  # fail if the committed code differs
 """
 
 from __future__ import annotations

@@ -127,7 +127,9 @@ class WorkerTimeline:
         self.wire_bytes += wire_bytes
         return env, start, end
 
-    def episodes(self, pad_incomplete: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def episodes(
+        self, pad_incomplete: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(env, start, end, done) of every episode, env by env, in time order."""
         env, start, end = self.table.arrays()
         done = np.ones(env.size, dtype=bool)
@@ -143,7 +145,6 @@ class WorkerTimeline:
             done = np.concatenate([done, np.zeros(tail_env.size, dtype=bool)])
         order = np.lexsort((start, env))
         return env[order], start[order], end[order], done[order]
-
 
 
 def field_array(chunks: list[StoredChunk], key: str, until: int) -> np.ndarray:

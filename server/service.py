@@ -72,9 +72,7 @@ class RecorderService(pb_grpc.RecorderServicer):
                             f"session: this server allows at most {self.limits.max_sessions} "
                             f"sessions, got a new one ({name!r})",
                         )
-                    session = Session(
-                        name, config, max_workers=self.limits.max_workers_per_session
-                    )
+                    session = Session(name, config, max_workers=self.limits.max_workers_per_session)
                     self._sessions[name] = session
                     logger.info("session %r created: %s", name, config)
             timeline = session.join(request.worker_id, config)

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import ServerProcess
+
 from recorder_client import RolloutRecorder
 
 

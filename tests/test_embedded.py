@@ -8,8 +8,8 @@ import sys
 import textwrap
 
 import numpy as np
-
 from conftest import pid_alive, wait_for
+
 from recorder_client import RolloutRecorder
 
 

@@ -7,11 +7,11 @@ import sys
 import textwrap
 
 import numpy as np
-
 from conftest import wait_for
+from reference_model import ReferenceRecorder
+
 from recorder_client import RolloutRecorder
 from recorder_server.synthetic import SyntheticVecEnv
-from reference_model import ReferenceRecorder
 
 WORKERS = 8
 CHUNKS, T, N = 6, 32, 5
