@@ -281,8 +281,9 @@ class TrajectoryTrainingConfiguration:
             raise ValueError(f"{owner}.cell_fields: duplicate key names {dupes}")
         object.__setattr__(self, "cell_fields", cells)
         if not isinstance(self.outcome_rule, OutcomeRule):
-            raise ValueError(f"{owner}.outcome_rule: expected an OutcomeRule, got "
-                             f"{self.outcome_rule!r}")
+            raise ValueError(
+                f"{owner}.outcome_rule: expected an OutcomeRule, got {self.outcome_rule!r}"
+            )
         utils = _as_tuple(owner, "utilities", self.utilities)
         for u in utils:
             if not isinstance(u, UtilityConfig):

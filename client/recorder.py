@@ -111,12 +111,6 @@ class RolloutRecorder:
                 ],
             )
             self._stub = pb_grpc.RecorderStub(self._channel)
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
-            except grpc.FutureTimeoutError:
-                raise RecorderUnavailableError(
-                    f"recorder server at {target} unreachable within {connect_timeout}s"
-                ) from None
             self._sequence = self._join()
             self._sender = ChunkSender(
                 stub_factory=lambda: self._stub,
@@ -142,11 +136,19 @@ class RolloutRecorder:
         return msg
 
     def _join(self) -> int:
-        reply = self._unary(
-            self._stub.Join,
-            pb.JoinRequest(session=self.session, config=self._config(), worker_id=self.worker_id),
-            timeout=self._connect_timeout,
+        request = pb.JoinRequest(
+            session=self.session, config=self._config(), worker_id=self.worker_id
         )
+        try:
+            # wait_for_ready rides out a server that is still starting, up to the timeout.
+            reply = self._stub.Join(request, timeout=self._connect_timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise RecorderUnavailableError(
+                    f"recorder server at {self.target} unreachable within "
+                    f"{self._connect_timeout}s ({err.details()})"
+                ) from None
+            raise from_rpc_error(err, self.target) from None
         self.worker_index = reply.worker_index
         return int(reply.last_sequence)
 

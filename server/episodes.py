@@ -181,6 +181,12 @@ class Assembly:
     def build_field(self, spec: FieldOut) -> np.ndarray:
         """The whole padded (B, T_max, ...) array of one field."""
         out = np.zeros((self.num_episodes, self.max_length, *spec.trailing), dtype=spec.dtype)
+        # Casts that overflow (float64 rewards -> float32) behave as in-process, silently.
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._fill(out, spec)
+        return out
+
+    def _fill(self, out: np.ndarray, spec: FieldOut) -> None:
         for chunks, rows, env, start, end in self.per_worker:
             if rows.size == 0:
                 continue
@@ -188,7 +194,6 @@ class Assembly:
             for row, e, s, t in zip(rows.tolist(), env.tolist(), start.tolist(), end.tolist()):
                 # Assignment casts (rewards -> float32) exactly as the in-process recorder does.
                 out[row, : t - s] = src[s:t, e]
-        return out
 
 
 class NoEpisodesError(ValueError):

@@ -1,0 +1,206 @@
+"""Child processes of the benchmark: servers that print an address, workers that print JSON.
+
+Every child's stdout is read by a thread into a queue, so waiting for a line
+has a timeout and never blocks on a pipe. Peak memory and CPU time of a child
+come from /proc (VmHWM, utime + stime), read before the child is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmHWM / VmRSS / VmSize of a process in bytes (empty when it is gone)."""
+    out: dict[str, int] = {}
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "VmSize"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (0.0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # After the ")": state is field 3 of stat(5); utime and stime are fields 14, 15.
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+class Child:
+    """A subprocess whose stdout lines arrive in a queue."""
+
+    def __init__(self, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None):
+        self.argv = argv
+        self.log_path = log_path
+        self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
+        self.pid = self.proc.pid
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def read_line(self, timeout: float, *, prefix: str = "") -> str:
+        """The next stdout line starting with `prefix` (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.argv[:4]}: no {prefix!r} line within {timeout}s")
+            try:
+                line = self.lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.proc.wait(5)
+                raise RuntimeError(
+                    f"{' '.join(self.argv[:4])} exited with {self.proc.returncode}: "
+                    f"{self.log_tail()}"
+                )
+            if line.startswith(prefix):
+                return line
+
+    def read_json(self, event: str, timeout: float) -> dict[str, Any]:
+        line = self.read_line(timeout, prefix="{")
+        msg = json.loads(line)
+        if msg.get("event") == "error":
+            raise RuntimeError(f"worker {self.pid} failed: {msg.get('error')}\n{self.log_tail()}")
+        if msg.get("event") != event:
+            raise RuntimeError(f"worker {self.pid}: expected event {event!r}, got {msg}")
+        return msg
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text()[-chars:]
+        except OSError:
+            return ""
+
+    def status(self) -> dict[str, int]:
+        return proc_status(self.pid)
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.pid)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+
+def serve_argv() -> list[str]:
+    """`rollout-recorder` from this interpreter's environment (or `-m recorder_server`)."""
+    script = Path(sys.executable).parent / "rollout-recorder"
+    if script.exists():
+        return [sys.executable, str(script)]
+    return [sys.executable, "-m", "recorder_server"]
+
+
+class RecorderServer(Child):
+    """`rollout-recorder serve --listen 127.0.0.1:0` plus any extra flags."""
+
+    def __init__(self, data_dir: Path, extra_args: list[str], log_path: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            *serve_argv(),
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(data_dir),
+            *extra_args,
+        ]
+        super().__init__(argv, log_path=log_path)
+        line = self.read_line(60, prefix="rollout-recorder listening on ")
+        self.address = line.rsplit(" ", 1)[1].strip()
+        self.extra_args = list(extra_args)
+
+
+class RawGrpcServer(Child):
+    """bench/raw_server.py: a generic gRPC stream that counts bytes and acks."""
+
+    def __init__(self, log_path: Path) -> None:
+        argv = [sys.executable, str(BENCH_DIR / "raw_server.py"), "127.0.0.1:0"]
+        super().__init__(argv, log_path=log_path)
+        line = self.read_line(60, prefix="raw-grpc listening on ")
+        self.address = line.rsplit(" ", 1)[1].strip()
+
+
+def start_workers(specs: list[dict[str, Any]], log_dir: Path) -> list[Child]:
+    workers = []
+    for i, spec in enumerate(specs):
+        argv = [sys.executable, str(BENCH_DIR / "worker.py"), json.dumps(spec)]
+        workers.append(Child(argv, log_path=log_dir / f"worker-{spec['mode']}-{i}.log"))
+    return workers
+
+
+def run_workers(
+    specs: list[dict[str, Any]], log_dir: Path, *, timeout: float = 300.0
+) -> tuple[list[dict[str, Any]], int]:
+    """Start workers, wait until each is ready, release them together, collect results.
+
+    Returns each worker's result and the perf_counter_ns at which "go" was sent
+    (CLOCK_MONOTONIC: comparable with the workers' own timestamps on Linux).
+    """
+    workers = start_workers(specs, log_dir)
+    try:
+        for w in workers:
+            w.read_json("ready", timeout)
+        go_ns = time.perf_counter_ns()
+        for w in workers:
+            w.send("go")
+        results = [w.read_json("result", timeout) for w in workers]
+        for w in workers:
+            w.proc.wait(60)
+        return results, go_ns
+    finally:
+        for w in workers:
+            w.stop()

@@ -1,0 +1,225 @@
+"""One benchmark worker process: pre-generate chunks, wait for "go", record, report JSON.
+
+    python bench/worker.py '{"mode": "remote", "target": "127.0.0.1:PORT", ...}'
+
+Modes:
+  remote  RolloutRecorder into a `rollout-recorder serve` process; done = flush() returned
+  ray     a Ray actor wrapping the in-process factoriax recorder; done = every ref resolved
+  raw     a generic gRPC bytes stream of the same uncompressed bytes; done = every ack read
+
+Protocol on stdout, one JSON object a line: {"event": "ready"} once the pool is
+generated and the connection is up, then (after a line on stdin)
+{"event": "result", ...} with perf_counter_ns timestamps (CLOCK_MONOTONIC, so
+comparable across processes on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+from workload import STATE_FIELDS, make_pool
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def summarize_ns(samples: list[int]) -> dict[str, float]:
+    if not samples:
+        return {}
+    arr = np.asarray(samples, dtype=np.float64) / 1e3
+    return {
+        "n": int(arr.size),
+        "p50_us": float(np.percentile(arr, 50)),
+        "p99_us": float(np.percentile(arr, 99)),
+        "max_us": float(arr.max()),
+        "mean_us": float(arr.mean()),
+    }
+
+
+def wait_for_go() -> None:
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit("no go signal (stdin closed)")
+
+
+def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
+    from recorder_client import RolloutRecorder
+
+    rec = RolloutRecorder(
+        record_states=True,
+        state_fields=list(STATE_FIELDS),
+        target=spec["target"],
+        session=spec["session"],
+        worker_id=spec["worker_id"],
+        max_bytes_in_flight=int(spec.get("max_bytes_in_flight", 256 << 20)),
+        compression_level=int(spec.get("compression_level", 1)),
+    )
+    rss_ready = maxrss_bytes()
+    emit("ready", rss_ready=rss_ready)
+    wait_for_go()
+    lat: list[int] = []
+    cpu0 = cpu_s()
+    start = time.perf_counter_ns()
+    for i in range(spec["chunks"]):
+        c = pool[i % len(pool)]
+        t0 = time.perf_counter_ns()
+        rec.record(c.rollout, c.states)
+        lat.append(time.perf_counter_ns() - t0)
+    submitted = time.perf_counter_ns()
+    rec.flush()
+    end = time.perf_counter_ns()
+    cpu = cpu_s() - cpu0
+    stats = rec._sender.stats
+    out = {
+        "start_ns": start,
+        "submitted_ns": submitted,
+        "end_ns": end,
+        "chunks": spec["chunks"],
+        "raw_bytes": stats.raw_bytes,
+        "wire_bytes": stats.wire_bytes,
+        "chunks_acked": stats.chunks_acked,
+        "dropped_in_flight": stats.chunks_dropped_in_flight,
+        "record_latency": summarize_ns(lat),
+        "cpu_s": cpu,
+        "rss_ready": rss_ready,
+        "maxrss": maxrss_bytes(),
+    }
+    rec.close()
+    return out
+
+
+def run_ray(spec: dict[str, Any], pool: list) -> dict[str, Any]:
+    import logging
+
+    import ray
+
+    ray.init(
+        address=spec["ray_address"],
+        namespace=spec["ray_namespace"],
+        log_to_driver=False,
+        logging_level=logging.ERROR,
+    )
+    actor = ray.get_actor(spec["actor"], namespace=spec["ray_namespace"])
+    ray.get(actor.ping.remote())
+    payloads = [c.as_dicts() for c in pool]
+    window = int(spec.get("window", 4))
+    rss_ready = maxrss_bytes()
+    emit("ready", rss_ready=rss_ready)
+    wait_for_go()
+    lat: list[int] = []
+    refs: list[Any] = []
+    cpu0 = cpu_s()
+    start = time.perf_counter_ns()
+    for i in range(spec["chunks"]):
+        traj, states = payloads[i % len(payloads)]
+        t0 = time.perf_counter_ns()
+        refs.append(actor.record.remote(traj, states))
+        if len(refs) >= window:
+            _, refs = ray.wait(refs, num_returns=len(refs) - window + 1)
+        lat.append(time.perf_counter_ns() - t0)
+    submitted = time.perf_counter_ns()
+    ray.get(refs)
+    end = time.perf_counter_ns()
+    cpu = cpu_s() - cpu0
+    raw = sum(pool[i % len(pool)].raw_bytes for i in range(spec["chunks"]))
+    return {
+        "start_ns": start,
+        "submitted_ns": submitted,
+        "end_ns": end,
+        "chunks": spec["chunks"],
+        "raw_bytes": raw,
+        "wire_bytes": None,
+        "record_latency": summarize_ns(lat),
+        "window": window,
+        "cpu_s": cpu,
+        "rss_ready": rss_ready,
+        "maxrss": maxrss_bytes(),
+    }
+
+
+def run_raw(spec: dict[str, Any], pool: list) -> dict[str, Any]:
+    import grpc
+
+    payloads = [c.to_bytes() for c in pool]
+    channel = grpc.insecure_channel(
+        spec["target"],
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ],
+    )
+    grpc.channel_ready_future(channel).result(timeout=30)
+    stream = channel.stream_stream("/bench.Raw/Stream")  # no (de)serializers: bytes as-is
+    rss_ready = maxrss_bytes()
+    emit("ready", rss_ready=rss_ready)
+    wait_for_go()
+    n = spec["chunks"]
+    cpu0 = cpu_s()
+    start = time.perf_counter_ns()
+
+    def requests():
+        for i in range(n):
+            yield payloads[i % len(payloads)]
+
+    acked = 0
+    acked_bytes = 0
+    for ack in stream(requests()):
+        acked += 1
+        acked_bytes = int(ack)
+    end = time.perf_counter_ns()
+    cpu = cpu_s() - cpu0
+    channel.close()
+    return {
+        "start_ns": start,
+        "submitted_ns": None,
+        "end_ns": end,
+        "chunks": n,
+        "chunks_acked": acked,
+        "raw_bytes": sum(len(payloads[i % len(payloads)]) for i in range(n)),
+        "wire_bytes": acked_bytes,
+        "cpu_s": cpu,
+        "rss_ready": rss_ready,
+        "maxrss": maxrss_bytes(),
+    }
+
+
+MODES = {"remote": run_remote, "ray": run_ray, "raw": run_raw}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    try:
+        pool = make_pool(
+            spec.get("pool", 16),
+            length=spec.get("length", 128),
+            num_envs=spec.get("num_envs", 256),
+            seed=spec.get("seed", 0),
+            done_prob=spec.get("done_prob", 1 / 500),
+        )
+        result = MODES[spec["mode"]](spec, pool)
+    except BaseException as exc:  # reported to the parent, which shows the log
+        emit("error", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        return 1
+    emit("result", **result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""TrajectoryCaptureProcessor: finished episodes -> trajectory-store updates and metrics.
+
+API from ``seeds/trajectory_capture_processor_api.txt``. With trajectory training disabled
+(``store is None``) the processor still counts every episode it is given and still emits the
+``Trajectories/*`` capture counters from :meth:`log_metrics`; :meth:`snapshot_potential` then
+returns ``{}``, :meth:`sample_start` ``None``, and the checkpoint file is ``None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from recorder_client.capture_types import (
+    CheckpointFile,
+    EpisodeOutcome,
+    TrajectoryKey,
+    TrajectorySliceReference,
+    TrajectoryTrainingConfiguration,
+)
+
+from .store import EpisodeArrays, TrajectoryStore, decode_checkpoint_state, encode_checkpoint_state
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_FORMAT = "recorder.capture_runtime.v1"
+METRIC_PREFIX = "Trajectories/"
+
+
+class MetricsTracker(Protocol):
+    """The one method the processor calls on its metrics object."""
+
+    def log_many(self, values: dict[str, float], step: int) -> None: ...
+
+
+def build_store(
+    configuration: TrajectoryTrainingConfiguration | None, *, seed: int | None = None
+) -> TrajectoryStore | None:
+    """A store for the configuration, or None when trajectory training is disabled."""
+    return None if configuration is None else TrajectoryStore(configuration, seed=seed)
+
+
+def _new_counters() -> dict[str, int]:
+    counters = {"episodes_captured": 0, "steps_captured": 0, "midpoint_start_episodes": 0}
+    counters.update({f"outcome_{o.name.lower()}": 0 for o in EpisodeOutcome})
+    return counters
+
+
+class TrajectoryCaptureProcessor:
+    """Converts finished episodes into store updates; see the module docstring."""
+
+    def __init__(
+        self,
+        configuration: TrajectoryTrainingConfiguration | None,
+        metrics: MetricsTracker,
+        store: TrajectoryStore | None,
+    ) -> None:
+        if store is not None:
+            if configuration is None:
+                configuration = store.configuration
+            elif configuration != store.configuration:
+                raise ValueError(
+                    "configuration: differs from the store's configuration "
+                    f"({configuration!r} != {store.configuration!r})"
+                )
+        self._configuration = configuration
+        self._metrics = metrics
+        self._store = store
+        self._lock = threading.Lock()
+        self._counters = _new_counters()
+
+    @property
+    def store(self) -> TrajectoryStore | None:
+        """The shared trajectory store, or None when trajectory training is disabled."""
+        return self._store
+
+    @property
+    def configuration(self) -> TrajectoryTrainingConfiguration | None:
+        return self._configuration
+
+    def record_episode(
+        self,
+        trajectory_file: EpisodeArrays | Mapping[str, Any],
+        episode_data: dict[str, float],
+        step: int,
+        *,
+        outcome: EpisodeOutcome | int | str,
+        start_reference: TrajectorySliceReference | None = None,
+    ) -> None:
+        """Record one finished episode (EpisodeArrays, or a mapping of actions/rewards/states).
+
+        ``episode_data`` is accepted for API compatibility and not interpreted. An UNKNOWN
+        outcome goes through the configured OutcomeRule. Invalid input raises ValueError before
+        any counter moves.
+        """
+        episode = EpisodeArrays.coerce(trajectory_file)
+        if episode_data is not None and not isinstance(episode_data, Mapping):
+            raise ValueError(f"episode_data: expected a mapping, got {type(episode_data)}")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise ValueError(f"step: expected an int, got {step!r}")
+        resolved = EpisodeOutcome.coerce(outcome)
+        if self._store is not None:
+            resolved = self._store.record_episode(
+                episode, step=int(step), outcome=resolved, start_reference=start_reference
+            ).outcome
+        elif self._configuration is not None:
+            episode_return = float(np.sum(episode.rewards, dtype=np.float64))
+            resolved = self._configuration.outcome_rule.resolve(resolved, episode_return)
+        with self._lock:
+            c = self._counters
+            c["episodes_captured"] += 1
+            c["steps_captured"] += episode.length
+            c[f"outcome_{resolved.name.lower()}"] += 1
+            if start_reference is not None:
+                c["midpoint_start_episodes"] += 1
+
+    def sample_start(self) -> tuple[TrajectorySliceReference, EpisodeArrays] | None:
+        """A curriculum start (reference + prefix); None without a store or cells."""
+        return None if self._store is None else self._store.sample_start()
+
+    def log_metrics(self, step: int) -> None:
+        """Emit every ``Trajectories/*`` metric in one ``metrics.log_many`` call."""
+        with self._lock:
+            values = {METRIC_PREFIX + k: float(v) for k, v in self._counters.items()}
+        values[METRIC_PREFIX + "store_enabled"] = float(self._store is not None)
+        if self._store is not None:
+            values.update({METRIC_PREFIX + k: v for k, v in self._store.metrics().items()})
+        self._metrics.log_many(values, step)
+
+    def snapshot_potential(
+        self, utility_key: str, field_names: list[str]
+    ) -> dict[tuple[int, ...], float]:
+        """``{(field values): net value}`` fresh dict (see TrajectoryStore.snapshot_potential);
+        ``{}`` when the store is None."""
+        if self._store is None:
+            return {}
+        return self._store.snapshot_potential(utility_key, field_names)
+
+    def runtime_state_dict(self) -> dict[str, Any]:
+        """JSON-able capture counters and curriculum state (generator, start count)."""
+        with self._lock:
+            counters = dict(self._counters)
+        curriculum = None if self._store is None else self._store.curriculum_state()
+        return {"format": RUNTIME_FORMAT, "counters": counters, "curriculum": curriculum}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`runtime_state_dict` output. Unknown counters are ignored; curriculum
+        state is ignored when this processor has no store."""
+        if not isinstance(state, Mapping) or state.get("format") != RUNTIME_FORMAT:
+            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"state: expected format {RUNTIME_FORMAT!r}, got {got!r}")
+        counters = _new_counters()
+        for name, value in dict(state.get("counters") or {}).items():
+            if name in counters:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"state.counters.{name}: expected an int >= 0, got {value!r}")
+                counters[name] = value
+        curriculum = state.get("curriculum")
+        if self._store is not None and curriculum is not None:
+            self._store.load_curriculum_state(curriculum)
+        with self._lock:
+            self._counters = counters
+
+    def trajectory_store_checkpoint_file(
+        self,
+        compress: bool,
+        *,
+        checkpoint_step: int,
+        midpoint_start_episode_cell_counts: dict[TrajectoryKey, int] | None = None,
+    ) -> CheckpointFile | None:
+        """The store as one CheckpointFile (bytes in ``data``); None without a store.
+
+        ``midpoint_start_episode_cell_counts``, when given, is written instead of the store's
+        own per-cell midpoint-start counts.
+        """
+        if self._store is None:
+            return None
+        if isinstance(checkpoint_step, bool) or not isinstance(checkpoint_step, int):
+            raise ValueError(f"checkpoint_step: expected an int, got {checkpoint_step!r}")
+        state = self._store.checkpoint_state(midpoint_start_episode_cell_counts)
+        data = encode_checkpoint_state(state, bool(compress))
+        name = f"trajectory_store-step{checkpoint_step:012d}.bin" + (".zst" if compress else "")
+        return CheckpointFile(
+            name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest(), data=data
+        )
+
+    def load_trajectory_store_checkpoint_data(
+        self, state: dict[str, Any] | bytes | CheckpointFile
+    ) -> None:
+        """Restore the store from a checkpoint: the decoded dict, the file's bytes (compressed
+        or not), or a CheckpointFile (``data`` or ``path``; size and sha256 are checked).
+        Without a store this logs a warning and does nothing."""
+        if self._store is None:
+            logger.warning("trajectory store checkpoint ignored: trajectory training is disabled")
+            return
+        if isinstance(state, CheckpointFile):
+            data = state.data if state.data is not None else _read(state.path)
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != state.size or digest != state.sha256:
+                raise ValueError(
+                    f"checkpoint file {state.name!r}: expected {state.size} bytes with sha256 "
+                    f"{state.sha256}, got {len(data)} bytes with sha256 {digest}"
+                )
+            state = data
+        if isinstance(state, (bytes, bytearray, memoryview)):
+            state = decode_checkpoint_state(state)
+        self._store.load_checkpoint_state(state)
+
+
+def _read(path: str | None) -> bytes:
+    if path is None:
+        raise ValueError("checkpoint file: has neither data nor path")
+    return Path(path).read_bytes()

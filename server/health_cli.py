@@ -1,0 +1,111 @@
+"""`rollout-recorder health`: ask a server's grpc.health.v1 service whether it serves.
+
+Exit status 0 when both the whole server ("") and the recorder service are
+SERVING, 1 otherwise (NOT_SERVING, unknown, unreachable); one line on stdout
+says which. Used by the image's HEALTHCHECK and compose's healthcheck. The
+health service needs no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import grpc
+
+from recorder_client.credentials import make_channel
+
+from .security import RECORDER_SERVICE_NAME
+
+
+def health_main(
+    target: str,
+    timeout: float = 5.0,
+    *,
+    tls_ca: str | os.PathLike[str] | None = None,
+    tls_cert: str | os.PathLike[str] | None = None,
+    tls_key: str | os.PathLike[str] | None = None,
+    tls: bool = False,
+    server_name: str | None = None,
+    service: str = RECORDER_SERVICE_NAME,
+) -> int:
+    """Check `service` and "" on `target`; print one line; 0 when both are SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    try:
+        channel = make_channel(
+            target,
+            token=None,
+            root_certificates=tls_ca,
+            client_certificate=tls_cert,
+            client_key=tls_key,
+            tls=tls,
+            options=options,
+        )
+    except ValueError as exc:
+        print(f"UNKNOWN {target}: {exc}", flush=True)
+        return 1
+    statuses: dict[str, str] = {}
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", service):
+            try:
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service=name),
+                    timeout=timeout,
+                    wait_for_ready=True,
+                )
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    print(f"UNREACHABLE {target}: no answer within {timeout}s", flush=True)
+                else:
+                    print(f"UNKNOWN {target}: {code.name}: {err.details()}", flush=True)
+                return 1
+            statuses[name] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    overall, own = statuses[""], statuses[service]
+    ok = overall == own == "SERVING"
+    word = "SERVING" if ok else "NOT_SERVING"
+    print(f"{word} {target}: server {overall}, {service} {own}", flush=True)
+    return 0 if ok else 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    return health_main(
+        args.target,
+        args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls=args.tls,
+        server_name=args.tls_server_name,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `health` subcommand to the CLI's subparsers."""
+    parser = sub.add_parser(
+        "health",
+        help="check a server's gRPC health (exit 0 when SERVING)",
+        description="Call grpc.health.v1 Check for the recorder service and the whole "
+        "server; exit 0 when both are SERVING, 1 otherwise. Needs no token.",
+    )
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", help="HOST:PORT or unix:PATH; default %(default)s"
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds; default %(default)s")
+    parser.add_argument(
+        "--tls", action="store_true", help="use TLS with the system's root certificates"
+    )
+    parser.add_argument("--tls-ca", default=None, help="PEM file of the server's CA (TLS)")
+    parser.add_argument("--tls-cert", default=None, help="client certificate PEM (mutual TLS)")
+    parser.add_argument("--tls-key", default=None, help="client key PEM (mutual TLS)")
+    parser.add_argument(
+        "--tls-server-name", default=None, help="name expected in the server's certificate"
+    )
+    parser.set_defaults(func=cmd_health)
+    return parser
+
+
+__all__ = ["add_parser", "health_main"]

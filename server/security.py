@@ -1,0 +1,219 @@
+"""Server-side security and standard services: token auth, TLS, health, reflection.
+
+- `load_token` reads the shared secret of `serve --token-file`.
+- `TokenAuthInterceptor` refuses every call without the right token with
+  UNAUTHENTICATED, except the open methods (the health service by default).
+  The comparison is constant-time (`hmac.compare_digest`).
+- `server_credentials` builds TLS (or mutual TLS) credentials from PEM files.
+- `add_standard_services` adds grpc.health.v1 and server reflection; health
+  says NOT_SERVING until `set_serving(health, True)` and again while draining.
+
+grpcio-health-checking and grpcio-reflection are server-only dependencies
+(the `[server]` extra); without them the recorder still serves, without the
+two standard services, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from recorder_client._proto import recorder_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+RECORDER_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Recorder"].full_name
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+OPEN_METHODS: tuple[str, ...] = (HEALTH_CHECK_METHOD, HEALTH_WATCH_METHOD)
+
+# Call metadata that may carry the token (keys are lower case on the wire).
+AUTHORIZATION_KEY = "authorization"
+TOKEN_KEY = "x-recorder-token"
+BEARER = "bearer"
+
+MISSING_TOKEN = "authentication failed: missing token"
+WRONG_TOKEN = "authentication failed: wrong token"
+
+
+# -- token -------------------------------------------------------------------
+def check_token(token: str, origin: str = "token") -> str:
+    """The token if it can travel as gRPC metadata, else ValueError naming the origin."""
+    if not token:
+        raise ValueError(f"{origin}: expected a non-empty token, got an empty one")
+    if not all(33 <= ord(c) <= 126 for c in token):
+        raise ValueError(
+            f"{origin}: expected printable ASCII without spaces (a gRPC metadata value), "
+            f"got {len(token)} characters including others"
+        )
+    return token
+
+
+def load_token(path: str | os.PathLike[str]) -> str:
+    """The token stored in `path`, surrounding whitespace stripped.
+
+    Raises OSError when the file cannot be read and ValueError when it is empty
+    or holds characters a gRPC metadata value cannot carry.
+    """
+    with open(path, encoding="utf-8") as fh:
+        token = fh.read().strip()
+    if not token:
+        raise ValueError(f"token file {os.fspath(path)!r}: expected a token, got an empty file")
+    return check_token(token, f"token file {os.fspath(path)!r}")
+
+
+def token_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    """The token a call presented (`authorization: Bearer T` or `x-recorder-token: T`)."""
+    for key, value in metadata or ():
+        if isinstance(value, bytes):  # only -bin keys carry bytes; tolerate them anyway
+            value = value.decode("utf-8", "replace")
+        if key == AUTHORIZATION_KEY:
+            scheme, _, rest = value.strip().partition(" ")
+            if scheme.lower() == BEARER and rest.strip():
+                return rest.strip()
+        elif key == TOKEN_KEY and value.strip():
+            return value.strip()
+    return None
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+
+    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without the shared token; `open_methods` need none.
+
+    The refusal is UNAUTHENTICATED with a message that says authentication
+    failed and whether the token was missing or wrong (never the token). It
+    works for unary and streaming methods alike: the refusing handler has the
+    same kind as the method's real one. Unknown methods stay UNIMPLEMENTED.
+    """
+
+    def __init__(self, token: str, open_methods: Sequence[str] = OPEN_METHODS) -> None:
+        self._token = check_token(token).encode("ascii")
+        self._open = frozenset(open_methods)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        handler = continuation(handler_call_details)
+        if handler is None or method in self._open:
+            return handler
+        presented = token_from_metadata(handler_call_details.invocation_metadata)
+        if presented is None:
+            logger.info("refused %s: no token", method)
+            return _denying_handler(handler, MISSING_TOKEN)
+        if not hmac.compare_digest(presented.encode("utf-8"), self._token):
+            logger.info("refused %s: wrong token", method)
+            return _denying_handler(handler, WRONG_TOKEN)
+        return handler
+
+
+# -- TLS ---------------------------------------------------------------------
+def _read(path: str | os.PathLike[str], what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise OSError(f"{what}: cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    if not data.strip():
+        raise ValueError(f"{what}: expected PEM data in {os.fspath(path)!r}, got an empty file")
+    return data
+
+
+def server_credentials(
+    cert_file: str | os.PathLike[str],
+    key_file: str | os.PathLike[str],
+    client_ca_file: str | os.PathLike[str] | None = None,
+) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files; with `client_ca_file`, mutual TLS.
+
+    With a client CA every client must present a certificate signed by it
+    (require_client_auth); without one, clients are not asked for certificates.
+    """
+    cert = _read(cert_file, "--tls-cert")
+    key = _read(key_file, "--tls-key")
+    ca = _read(client_ca_file, "--tls-client-ca") if client_ca_file is not None else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+# -- health and reflection -------------------------------------------------------
+def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> Any | None:
+    """Add grpc.health.v1 Health and server reflection for `service_names`.
+
+    Returns the HealthServicer, with every name (and "" for the whole server)
+    NOT_SERVING: call `set_serving(health, True)` once the server has started,
+    and `set_serving(health, False)` when it starts draining. Returns None when
+    the health and reflection packages are not installed.
+    """
+    try:
+        from grpc_health.v1 import health, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+    except ImportError as exc:
+        logger.warning(
+            "%s: gRPC health and reflection are off (install rollout-recorder[server])", exc
+        )
+        return None
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    servicer.service_names = (health.OVERALL_HEALTH, *service_names)
+    set_serving(servicer, False)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return servicer
+
+
+def set_serving(health: Any | None, serving: bool) -> None:
+    """SERVING or NOT_SERVING for every name given to add_standard_services (None: no-op)."""
+    if health is None:
+        return
+    from grpc_health.v1 import health_pb2
+
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in health.service_names:
+        health.set(name, status)
+
+
+__all__ = [
+    "MISSING_TOKEN",
+    "OPEN_METHODS",
+    "RECORDER_SERVICE_NAME",
+    "WRONG_TOKEN",
+    "TokenAuthInterceptor",
+    "add_standard_services",
+    "check_token",
+    "load_token",
+    "server_credentials",
+    "set_serving",
+    "token_from_metadata",
+]

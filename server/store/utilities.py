@@ -1,0 +1,96 @@
+"""Per-cell utilities back-propagated from episode outcomes.
+
+For utility u with discount gamma, a step k steps before the episode's end (the last step has
+k = 0) adds ``gamma**k * sign(outcome)`` to its cell's sum, where sign is +1 for an outcome in
+``positive_outcomes``, -1 for ``negative_outcomes`` and 0 otherwise. Every step also counts one
+visit (in the archive), so a cell's net value is ``sum / visits``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recorder_client.capture_types import EpisodeOutcome, UtilityConfig
+
+
+class UtilityTable:
+    """A (num_utilities, capacity) float64 array of sums, grown alongside the archive."""
+
+    def __init__(self, configs: tuple[UtilityConfig, ...], capacity: int = 1024) -> None:
+        self.configs = configs
+        self.names = tuple(c.name for c in configs)
+        self.sums = np.zeros((len(configs), capacity), dtype=np.float64)
+
+    def _grow(self, needed: int) -> None:
+        if needed > self.sums.shape[1]:
+            sums = np.zeros((len(self.configs), max(needed, 2 * self.sums.shape[1])))
+            sums[:, : self.sums.shape[1]] = self.sums
+            self.sums = sums
+
+    def index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ValueError(
+                f"utility_key: unknown utility {name!r}; configured utilities are "
+                f"{list(self.names)}"
+            ) from None
+
+    def apply_episode(
+        self,
+        cell_ids: np.ndarray,
+        inverse: np.ndarray,
+        outcome: EpisodeOutcome,
+        num_cells: int,
+    ) -> None:
+        """Add one episode's discounted outcome to the sums of its cells."""
+        self._grow(num_cells)
+        length = inverse.shape[0]
+        k = np.arange(length - 1, -1, -1, dtype=np.float64)
+        for u, config in enumerate(self.configs):
+            sign = config.sign(outcome)
+            if sign == 0.0:
+                continue
+            contrib = sign * np.power(config.gamma, k)
+            self.sums[u, cell_ids] += np.bincount(inverse, weights=contrib, minlength=cell_ids.size)
+
+    def state_arrays(self, num_cells: int) -> dict[str, np.ndarray]:
+        return {
+            f"utility/{name}": self.sums[u, :num_cells].copy() for u, name in enumerate(self.names)
+        }
+
+    def load_state_arrays(self, arrays: dict[str, np.ndarray], num_cells: int) -> list[str]:
+        """Load sums by utility name; returns the configured names absent from ``arrays``."""
+        self._grow(num_cells)
+        self.sums[:] = 0.0
+        missing = []
+        for u, name in enumerate(self.names):
+            col = arrays.get(f"utility/{name}")
+            if col is None:
+                missing.append(name)
+                continue
+            if col.shape != (num_cells,):
+                raise ValueError(f"utility {name!r}: shape {col.shape}, expected ({num_cells},)")
+            self.sums[u, :num_cells] = col
+        return missing
+
+
+def aggregate(
+    keys: np.ndarray, sums: np.ndarray, visits: np.ndarray, *, distinct: bool = False
+) -> dict[tuple[int, ...], float]:
+    """``{key: total sum / total visits}`` over the rows sharing each (projected) key.
+
+    ``distinct=True`` promises the rows of ``keys`` are already distinct (no merging needed).
+    """
+    if keys.shape[0] == 0:
+        return {}
+    if keys.shape[1] == 0:
+        return {(): float(sums.sum() / visits.sum())}
+    if distinct:
+        values = sums / visits
+        return dict(zip(map(tuple, keys.tolist()), values.tolist(), strict=True))
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    total = np.bincount(inverse, weights=sums, minlength=uniq.shape[0])
+    count = np.bincount(inverse, weights=visits, minlength=uniq.shape[0])
+    return dict(zip(map(tuple, uniq.tolist()), (total / count).tolist(), strict=True))
