@@ -3,6 +3,17 @@
 Imports only grpcio, protobuf, numpy and zstandard.
 """
 
+from .capture import Episode, RemoteCapture
+from .capture_types import (
+    CellField,
+    CheckpointFile,
+    EpisodeOutcome,
+    OutcomeRule,
+    TrajectoryKey,
+    TrajectorySliceReference,
+    TrajectoryTrainingConfiguration,
+    UtilityConfig,
+)
 from .errors import (
     AuthenticationError,
     InvalidChunkError,
@@ -19,6 +30,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AuthenticationError",
+    "CellField",
+    "CheckpointFile",
+    "Episode",
+    "EpisodeOutcome",
+    "OutcomeRule",
+    "RemoteCapture",
+    "TrajectoryKey",
+    "TrajectorySliceReference",
+    "TrajectoryTrainingConfiguration",
+    "UtilityConfig",
     "InvalidChunkError",
     "NoDataError",
     "RecorderError",

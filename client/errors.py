@@ -41,6 +41,20 @@ _BY_KIND: dict[str, type[RecorderError]] = {
 }
 
 
+# What gRPC reports when one side speaks TLS and the other plaintext.
+_HANDSHAKE_SIGNS = ("Socket closed", "WRONG_VERSION_NUMBER")
+
+
+def handshake_hint(message: str) -> str:
+    """A hint for a connection closed during set-up (TLS on one side only), else ""."""
+    if any(sign in message for sign in _HANDSHAKE_SIGNS):
+        return (
+            " (the connection closed during set-up: if the server uses TLS, pass "
+            "root_certificates= / --tls-ca; if it does not, drop them)"
+        )
+    return ""
+
+
 def from_status(
     code: grpc.StatusCode | str, message: str, target: str = "", kind: str = ""
 ) -> RecorderError:
@@ -58,7 +72,9 @@ def from_status(
         return AuthenticationError(message)
     if name in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
         where = f" at {target}" if target else ""
-        return RecorderUnavailableError(f"recorder server{where} unavailable: {message}")
+        return RecorderUnavailableError(
+            f"recorder server{where} unavailable: {message}{handshake_hint(message)}"
+        )
     return RecorderError(f"{name}: {message}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import socket
@@ -18,6 +19,8 @@ import numpy as np
 from . import codec
 from ._proto import recorder_pb2 as pb
 from ._proto import recorder_pb2_grpc as pb_grpc
+from .capture import RemoteCapture
+from .capture_types import TrajectoryTrainingConfiguration
 from .embedded import EmbeddedServer
 from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
 from .naming import check_state_fields
@@ -74,6 +77,7 @@ class RolloutRecorder:
         max_bytes_in_flight: int = 256 << 20,
         block_when_full: bool = True,
         compression_level: int = 1,
+        capture: TrajectoryTrainingConfiguration | None = None,
     ) -> None:
         if max_episodes is not None and (
             isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
@@ -86,6 +90,13 @@ class RolloutRecorder:
         self.max_episodes = None if max_episodes is None else int(max_episodes)
         self.record_states = bool(record_states)
         self.state_fields = check_state_fields(state_fields)
+        if capture is not None and not isinstance(capture, TrajectoryTrainingConfiguration):
+            raise ValueError(
+                f"capture: expected a TrajectoryTrainingConfiguration or None, got {capture!r}"
+            )
+        self.capture_config = capture
+        #: The session's trajectory store, called remotely (see RemoteCapture).
+        self.capture = RemoteCapture(self)
         self.session = session
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._rpc_timeout = rpc_timeout
@@ -133,6 +144,8 @@ class RolloutRecorder:
         msg = pb.SessionConfig(record_states=self.record_states, state_fields=self.state_fields)
         if self.max_episodes is not None:
             msg.max_episodes = self.max_episodes
+        if self.capture_config is not None:
+            msg.capture_config_json = json.dumps(self.capture_config.to_dict(), sort_keys=True)
         return msg
 
     def _join(self) -> int:
@@ -170,9 +183,12 @@ class RolloutRecorder:
             raise errors[0]
 
     # -- the in-process recorder's API ----------------------------------
-    def record(self, trajectories: Any, env_states: Any = None) -> None:
+    def record(self, trajectories: Any, env_states: Any = None, *, outcome: Any = None) -> None:
         """Queue one (T, N) chunk and return; compression and I/O happen in the background.
 
+        `outcome` (or an `outcome` field of `trajectories`) gives optional per-step
+        outcome codes (T, N): 0 unknown, 1 win, 2 loss, 3 draw, 4 incomplete; an
+        episode's outcome is its last non-zero code.
         The arrays are referenced, not copied: do not write into them afterwards.
         A chunk recorded after the session is full is dropped, as in-process.
         Raises InvalidChunkError (a ValueError) for a chunk that does not match
@@ -192,6 +208,10 @@ class RolloutRecorder:
                     f"trajectories.{name}: expected an array (attribute or mapping key), got none"
                 )
             arrays[name] = _take(value)
+        if outcome is None:
+            outcome = _get(trajectories, "outcome")
+        if outcome is not None:
+            arrays["outcome"] = _take(outcome)
         if self.record_states and env_states is not None:
             for name in self.state_fields:
                 value = _get(env_states, name)
@@ -219,19 +239,25 @@ class RolloutRecorder:
                 raise InvalidChunkError(
                     f"{label}: expected shape starting with (T, N) = {tn}, got {shape}"
                 )
-            if key in ("reward", "done") and shape != tn:
+            if key in ("reward", "done", "outcome") and shape != tn:
                 raise InvalidChunkError(
                     f"trajectories.{key}: expected shape (T, N) = {tn}, got {shape}"
+                )
+            if key == "outcome" and dtype.kind not in "iu":
+                raise InvalidChunkError(
+                    f"trajectories.outcome: expected integer codes, got dtype {dtype}"
                 )
             try:
                 codec.check_dtype(dtype, label)
             except ValueError as exc:
                 raise InvalidChunkError(str(exc)) from None
+        # Outcome codes are optional chunk by chunk; everything else must stay the same.
+        fixed = {k: v for k, v in schema.items() if k != "outcome"}
         previous = self._schema
         if previous is None:
-            self._schema = schema
+            self._schema = fixed
         else:
-            self._check_against(previous, schema)
+            self._check_against(previous, fixed)
         return sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in schema.values())
 
     @staticmethod

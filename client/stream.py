@@ -67,6 +67,8 @@ def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
     if done.dtype != np.bool_:
         done = done.astype(bool)
     chunk.done.CopyFrom(codec.encode_array(done, level))
+    if "outcome" in arrays:
+        chunk.outcome.CopyFrom(codec.encode_array(_to_host(arrays["outcome"]), level))
     for name, value in arrays.items():
         if name.startswith("state:"):
             chunk.states.append(

@@ -11,6 +11,7 @@ import grpc
 
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
+from .metrics import MetricsConfig, MetricsTracker
 from .service import RecorderService, ServiceLimits
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ class ServerOptions:
     # Largest gRPC message accepted or sent.
     max_message_bytes: int = 256 << 20
     limits: ServiceLimits = field(default_factory=ServiceLimits)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # HOST:PORT for the Prometheus endpoint, or None for no endpoint.
+    metrics_listen: str | None = None
 
 
 @dataclass
@@ -38,9 +42,12 @@ class RunningServer:
     server: grpc.Server
     service: RecorderService
     address: str
+    metrics_address: str | None = None
 
     def stop(self, grace: float | None = 5.0) -> None:
         self.server.stop(grace).wait()
+        self.service.close()
+        self.service.metrics.close()
 
 
 def bound_address(listen: str, port: int) -> str:
@@ -52,7 +59,13 @@ def bound_address(listen: str, port: int) -> str:
 
 def start_server(options: ServerOptions) -> RunningServer:
     Path(options.data_dir).mkdir(parents=True, exist_ok=True)
-    service = RecorderService(options.limits)
+    metrics = MetricsTracker(options.metrics)
+    metrics_address = None
+    if options.metrics_listen:
+        host, _, port = options.metrics_listen.rpartition(":")
+        bound_host, bound_port = metrics.start_http(host or "127.0.0.1", int(port))
+        metrics_address = f"{bound_host}:{bound_port}"
+    service = RecorderService(options.limits, metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="recorder"),
         options=[
@@ -72,4 +85,4 @@ def start_server(options: ServerOptions) -> RunningServer:
     server.start()
     address = bound_address(options.listen, port)
     logger.info("listening on %s", address)
-    return RunningServer(server, service, address)
+    return RunningServer(server, service, address, metrics_address)

@@ -14,6 +14,7 @@ import os
 import grpc
 
 from recorder_client.credentials import make_channel
+from recorder_client.errors import handshake_hint
 
 from .security import RECORDER_SERVICE_NAME
 
@@ -51,17 +52,15 @@ def health_main(
         stub = health_pb2_grpc.HealthStub(channel)
         for name in ("", service):
             try:
-                reply = stub.Check(
-                    health_pb2.HealthCheckRequest(service=name),
-                    timeout=timeout,
-                    wait_for_ready=True,
-                )
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=timeout)
             except grpc.RpcError as err:
-                code = err.code()
+                code, details = err.code(), err.details() or ""
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     print(f"UNREACHABLE {target}: no answer within {timeout}s", flush=True)
+                elif code == grpc.StatusCode.UNAVAILABLE:
+                    print(f"UNREACHABLE {target}: {details}{handshake_hint(details)}", flush=True)
                 else:
-                    print(f"UNKNOWN {target}: {code.name}: {err.details()}", flush=True)
+                    print(f"UNKNOWN {target}: {code.name}: {details}", flush=True)
                 return 1
             statuses[name] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     overall, own = statuses[""], statuses[service]

@@ -7,16 +7,21 @@ names the field, what was expected and what arrived.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from recorder_client import codec
 from recorder_client._proto import recorder_pb2 as pb
+from recorder_client.capture_types import TrajectoryTrainingConfiguration
 
+from .capture import TrajectoryCaptureProcessor, build_store
 from .episodes import Assembly, EncodedArray, WorkerTimeline, assemble
+from .feeder import ChunkEpisodes, EpisodeFeeder
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
@@ -54,6 +59,7 @@ class SessionConfig:
     max_episodes: int | None
     record_states: bool
     state_fields: tuple[str, ...]
+    capture: TrajectoryTrainingConfiguration | None = None
 
     @classmethod
     def from_proto(cls, msg: pb.SessionConfig) -> SessionConfig:
@@ -69,18 +75,30 @@ class SessionConfig:
             fields = tuple(check_state_fields(list(msg.state_fields)))
         except ValueError as exc:
             raise SessionError("INVALID_ARGUMENT", f"config.{exc}") from None
-        return cls(max_episodes, msg.record_states, fields)
+        capture = None
+        if msg.capture_config_json:
+            try:
+                capture = TrajectoryTrainingConfiguration.from_dict(
+                    json.loads(msg.capture_config_json)
+                )
+            except (ValueError, TypeError) as exc:
+                raise SessionError(
+                    "INVALID_ARGUMENT", f"config.capture_config_json: {exc}"
+                ) from None
+        return cls(max_episodes, msg.record_states, fields, capture)
 
     def to_proto(self) -> pb.SessionConfig:
         msg = pb.SessionConfig(record_states=self.record_states, state_fields=self.state_fields)
         if self.max_episodes is not None:
             msg.max_episodes = self.max_episodes
+        if self.capture is not None:
+            msg.capture_config_json = json.dumps(self.capture.to_dict(), sort_keys=True)
         return msg
 
     def describe_difference(self, other: SessionConfig) -> str:
         diffs = [
             f"{name}={getattr(self, name)!r} (this worker asked for {getattr(other, name)!r})"
-            for name in ("max_episodes", "record_states", "state_fields")
+            for name in ("max_episodes", "record_states", "state_fields", "capture")
             if getattr(self, name) != getattr(other, name)
         ]
         return ", ".join(diffs)
@@ -94,6 +112,7 @@ class DecodedChunk:
     length: int
     num_envs: int
     dones: np.ndarray
+    arrays: dict[str, np.ndarray]
     encoded: dict[str, EncodedArray]
     schema: dict[str, tuple[np.dtype, tuple[int, ...]]]
     wire_bytes: int
@@ -151,44 +170,74 @@ def _decode_chunk(chunk: pb.Chunk, config: SessionConfig, max_raw: int) -> Decod
                 "INVALID_ARGUMENT",
                 f"{what}: expected shape starting with {expected_tn} (T, N), got {list(shape)}",
             )
+    if config.capture is not None:
+        # The store keys cells on state fields; a chunk without them cannot feed it.
+        sent = sorted(seen)
+        for cell in config.capture.cell_fields:
+            if cell.state_field not in seen:
+                raise SessionError(
+                    "INVALID_ARGUMENT",
+                    f"chunk.states: expected the cell-key field {cell.state_field!r} of the "
+                    f"session's capture configuration (record it with record_states=True), "
+                    f"got fields {sent}",
+                )
+    arrays: dict[str, np.ndarray] = {}
+    if chunk.HasField("outcome"):
+        o_dtype, o_shape = codec.declared(chunk.outcome, "chunk.outcome", max_raw)
+        if list(o_shape) != expected_tn or o_dtype.kind not in "iu":
+            raise SessionError(
+                "INVALID_ARGUMENT",
+                f"chunk.outcome: expected integer codes of shape {expected_tn} (T, N), "
+                f"got {o_dtype} {list(o_shape)}",
+            )
+        arrays["outcome"] = codec.decode_array(chunk.outcome, "chunk.outcome", max_raw)
     wire = 0
     encoded: dict[str, EncodedArray] = {}
     schema: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
-    dones = None
     pairs = [("action", chunk.action), ("reward", chunk.reward), ("done", chunk.done)]
     pairs += [(f"state:{s.name}", s.array) for s in chunk.states]
     for key, msg in pairs:
         # Decoding proves the frame is intact before the ack promises anything.
         arr = codec.decode_array(msg, f"chunk.{key}", max_raw)
-        if key == "done":
-            dones = arr
-        else:
+        arrays[key] = arr
+        if key != "done":
             schema[key] = (arr.dtype, arr.shape[2:])
         encoded[key] = EncodedArray(arr.dtype, arr.shape, msg.codec, msg.data)
         wire += len(msg.data)
-    assert dones is not None
-    return DecodedChunk(chunk.sequence, length, n, dones, encoded, schema, wire)
+    return DecodedChunk(chunk.sequence, length, n, arrays["done"], arrays, encoded, schema, wire)
 
 
 class Session:
     """One recording: every worker that joined it, in join order."""
 
-    def __init__(self, name: str, config: SessionConfig, *, max_workers: int = 1024) -> None:
+    def __init__(
+        self, name: str, config: SessionConfig, metrics, *, max_workers: int = 1024
+    ) -> None:
         self.name = name
         self.config = config
+        self.metrics = metrics
         self.max_workers = max_workers
         self.lock = threading.RLock()
         self.workers: dict[str, WorkerTimeline] = {}
         self.last_sequence: dict[str, int] = {}
         self.worker_locks: dict[str, threading.Lock] = {}
+        self.last_seen: dict[str, float] = {}
+        self.processor = TrajectoryCaptureProcessor(
+            config.capture, metrics, build_store(config.capture)
+        )
+        self.feeder = EpisodeFeeder(name, self.processor, metrics)
         self._clear()
 
     def _clear(self) -> None:
         self.schema: dict[str, tuple[np.dtype, tuple[int, ...]]] | None = None
         self.done_count = 0
         self.num_recorded_steps = 0
+        self.env_steps = 0
         self.chunks_stored = 0
         self.chunks_dropped = 0
+
+    def close(self) -> None:
+        self.feeder.close()
 
     # -- workers ---------------------------------------------------------
     def join(self, worker_id: str, config: SessionConfig) -> WorkerTimeline:
@@ -247,25 +296,44 @@ class Session:
             # The sequence is consumed whatever happens next, so a refused chunk
             # never blocks the ones behind it.
             self.last_sequence[worker_id] = seq
+            self.last_seen[worker_id] = time.monotonic()
             if self.is_full:
-                with self.lock:
-                    self.chunks_dropped += 1
-                    timeline.chunks_dropped += 1
-                return pb.RecordAck.DROPPED_FULL
+                return self._drop_full(timeline)
             decoded = decode_chunk(chunk, self.config, max_raw)
             with self.lock:
                 if self.is_full:
-                    self.chunks_dropped += 1
-                    timeline.chunks_dropped += 1
-                    return pb.RecordAck.DROPPED_FULL
+                    return self._drop_full(timeline)
                 self._check_schema(timeline, decoded)
-                timeline.add_chunk(decoded.dones, decoded.encoded, decoded.wire_bytes)
+                t0 = timeline.t_total
+                env, start, end = timeline.add_chunk(
+                    decoded.dones, decoded.encoded, decoded.wire_bytes
+                )
                 if self.schema is None:
                     self.schema = decoded.schema
-                self.done_count += int(decoded.dones.sum())
+                self.done_count += int(env.size)
                 self.num_recorded_steps += decoded.length
                 self.chunks_stored += 1
+                steps_before = self.env_steps
+                self.env_steps += decoded.length * decoded.num_envs
+                # Under the session lock so the feeder sees chunks in apply order.
+                self.feeder.submit(
+                    ChunkEpisodes(timeline.index, t0, decoded.arrays, env, start, end, steps_before)
+                )
+            raw = sum(a.nbytes for a in decoded.encoded.values())
+            labels = {"session": self.name}
+            self.metrics.inc("Recorder/chunks", 1, **labels)
+            self.metrics.inc("Recorder/raw_bytes", raw, **labels)
+            self.metrics.inc("Recorder/wire_bytes", decoded.wire_bytes, **labels)
+            self.metrics.inc("Recorder/steps", decoded.length, **labels)
+            self.metrics.inc("Recorder/env_steps", decoded.length * decoded.num_envs, **labels)
             return pb.RecordAck.STORED
+
+    def _drop_full(self, timeline: WorkerTimeline) -> int:
+        with self.lock:
+            self.chunks_dropped += 1
+            timeline.chunks_dropped += 1
+        self.metrics.inc("Recorder/chunks_dropped_full", 1, session=self.name)
+        return pb.RecordAck.DROPPED_FULL
 
     def _check_schema(self, timeline: WorkerTimeline, chunk: DecodedChunk) -> None:
         if timeline.num_envs is not None and chunk.num_envs != timeline.num_envs:
@@ -315,6 +383,7 @@ class Session:
 
     def reset(self) -> None:
         with self.lock:
+            self.feeder.reset()
             for timeline in self.workers.values():
                 timeline.clear()
             self._clear()

@@ -11,6 +11,16 @@ import recorder_client
 
 EXPECTED = {
     "AuthenticationError",
+    "CellField",
+    "CheckpointFile",
+    "Episode",
+    "EpisodeOutcome",
+    "OutcomeRule",
+    "RemoteCapture",
+    "TrajectoryKey",
+    "TrajectorySliceReference",
+    "TrajectoryTrainingConfiguration",
+    "UtilityConfig",
     "InvalidChunkError",
     "NoDataError",
     "RecorderError",

@@ -39,14 +39,16 @@ class NamedArray(_message.Message):
     def __init__(self, name: _Optional[str] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
 
 class SessionConfig(_message.Message):
-    __slots__ = ("max_episodes", "record_states", "state_fields")
+    __slots__ = ("max_episodes", "record_states", "state_fields", "capture_config_json")
     MAX_EPISODES_FIELD_NUMBER: _ClassVar[int]
     RECORD_STATES_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELDS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     max_episodes: int
     record_states: bool
     state_fields: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_episodes: _Optional[int] = ..., record_states: _Optional[bool] = ..., state_fields: _Optional[_Iterable[str]] = ...) -> None: ...
+    capture_config_json: str
+    def __init__(self, max_episodes: _Optional[int] = ..., record_states: _Optional[bool] = ..., state_fields: _Optional[_Iterable[str]] = ..., capture_config_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("session", "config", "worker_id")
@@ -77,18 +79,20 @@ class RecordOpen(_message.Message):
     def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sequence", "action", "reward", "done", "states")
+    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     action: ArrayData
     reward: ArrayData
     done: ArrayData
     states: _containers.RepeatedCompositeFieldContainer[NamedArray]
-    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
+    outcome: ArrayData
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
 
 class RecordRequest(_message.Message):
     __slots__ = ("open", "chunk")
@@ -251,3 +255,157 @@ class StatusReply(_message.Message):
     wire_bytes: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsReply(_message.Message):
+    __slots__ = ("values", "sessions", "uptime_s")
+    class ValuesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.ScalarMap[str, float]
+    sessions: _containers.RepeatedCompositeFieldContainer[StatusReply]
+    uptime_s: float
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ..., sessions: _Optional[_Iterable[_Union[StatusReply, _Mapping]]] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class SliceReference(_message.Message):
+    __slots__ = ("trajectory_id", "step")
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: int
+    step: int
+    def __init__(self, trajectory_id: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class EpisodeArrays(_message.Message):
+    __slots__ = ("actions", "rewards", "states")
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    REWARDS_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    actions: ArrayData
+    rewards: ArrayData
+    states: _containers.RepeatedCompositeFieldContainer[NamedArray]
+    def __init__(self, actions: _Optional[_Union[ArrayData, _Mapping]] = ..., rewards: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
+
+class SubmitEpisodeRequest(_message.Message):
+    __slots__ = ("session", "episode", "episode_data", "step", "outcome", "start_reference")
+    class EpisodeDataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_DATA_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    START_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    episode: EpisodeArrays
+    episode_data: _containers.ScalarMap[str, float]
+    step: int
+    outcome: int
+    start_reference: SliceReference
+    def __init__(self, session: _Optional[str] = ..., episode: _Optional[_Union[EpisodeArrays, _Mapping]] = ..., episode_data: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., outcome: _Optional[int] = ..., start_reference: _Optional[_Union[SliceReference, _Mapping]] = ...) -> None: ...
+
+class SubmitEpisodeReply(_message.Message):
+    __slots__ = ("episodes_captured",)
+    EPISODES_CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    episodes_captured: int
+    def __init__(self, episodes_captured: _Optional[int] = ...) -> None: ...
+
+class SampleStartRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class SampleStartReply(_message.Message):
+    __slots__ = ("found", "reference", "prefix")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    reference: SliceReference
+    prefix: EpisodeArrays
+    def __init__(self, found: _Optional[bool] = ..., reference: _Optional[_Union[SliceReference, _Mapping]] = ..., prefix: _Optional[_Union[EpisodeArrays, _Mapping]] = ...) -> None: ...
+
+class SnapshotPotentialRequest(_message.Message):
+    __slots__ = ("session", "utility_key", "field_names")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    UTILITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    FIELD_NAMES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    utility_key: str
+    field_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session: _Optional[str] = ..., utility_key: _Optional[str] = ..., field_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SnapshotPotentialReply(_message.Message):
+    __slots__ = ("key_width", "keys", "values")
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    key_width: int
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, key_width: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class StoreCheckpointRequest(_message.Message):
+    __slots__ = ("session", "compress", "checkpoint_step")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    compress: bool
+    checkpoint_step: int
+    def __init__(self, session: _Optional[str] = ..., compress: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class FilePart(_message.Message):
+    __slots__ = ("session", "name", "size", "sha256", "data", "empty")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    name: str
+    size: int
+    sha256: str
+    data: bytes
+    empty: bool
+    def __init__(self, session: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., data: _Optional[bytes] = ..., empty: _Optional[bool] = ...) -> None: ...
+
+class LoadReply(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: StatusReply
+    def __init__(self, status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
+
+class RuntimeStateRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("path", "wal_index")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    WAL_INDEX_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    wal_index: int
+    def __init__(self, path: _Optional[str] = ..., wal_index: _Optional[int] = ...) -> None: ...

@@ -59,6 +59,51 @@ class RecorderStub:
                 request_serializer=recorder_dot_v1_dot_recorder__pb2.StatusRequest.SerializeToString,
                 response_deserializer=recorder_dot_v1_dot_recorder__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/recorder.v1.Recorder/GetMetrics',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.MetricsReply.FromString,
+                _registered_method=True)
+        self.SubmitEpisode = channel.unary_unary(
+                '/recorder.v1.Recorder/SubmitEpisode',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeReply.FromString,
+                _registered_method=True)
+        self.SampleStart = channel.unary_unary(
+                '/recorder.v1.Recorder/SampleStart',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.SampleStartRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.SampleStartReply.FromString,
+                _registered_method=True)
+        self.SnapshotPotential = channel.unary_unary(
+                '/recorder.v1.Recorder/SnapshotPotential',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialReply.FromString,
+                _registered_method=True)
+        self.GetStoreCheckpoint = channel.unary_stream(
+                '/recorder.v1.Recorder/GetStoreCheckpoint',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.StoreCheckpointRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+                _registered_method=True)
+        self.LoadStoreCheckpoint = channel.stream_unary(
+                '/recorder.v1.Recorder/LoadStoreCheckpoint',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.LoadReply.FromString,
+                _registered_method=True)
+        self.GetRuntimeState = channel.unary_stream(
+                '/recorder.v1.Recorder/GetRuntimeState',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.RuntimeStateRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+                _registered_method=True)
+        self.LoadRuntimeState = channel.stream_unary(
+                '/recorder.v1.Recorder/LoadRuntimeState',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.LoadReply.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/recorder.v1.Recorder/Checkpoint',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class RecorderServicer:
@@ -111,6 +156,79 @@ class RecorderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMetrics(self, request, context):
+        """Every metric the server keeps, and the status of every session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitEpisode(self, request, context):
+        """Trajectory store: submit one whole episode (emulator-style producers).
+        FAILED_PRECONDITION when the session has no trajectory configuration is
+        not raised: the episode is counted, as the seed's processor does with no
+        store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStart(self, request, context):
+        """Trajectory store: sample a curriculum start cell (weight
+        1/(times_chosen+1)^power) and return its slice reference and prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SnapshotPotential(self, request, context):
+        """Trajectory store: {cell values of field_names: net utility value}.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStoreCheckpoint(self, request, context):
+        """Trajectory store: the reusable store payload as a checkpoint file,
+        streamed in parts (the first part carries name, size and sha256).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadStoreCheckpoint(self, request_iterator, context):
+        """Trajectory store: seed the session's store from a payload written by
+        GetStoreCheckpoint (possibly on another server). Message order: parts in
+        order; the first names the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRuntimeState(self, request, context):
+        """The session's whole runtime state (configuration, workers, sequence
+        numbers, stored chunks, open tails, counters, store) as one file, for a
+        trainer to embed in its own checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadRuntimeState(self, request_iterator, context):
+        """Replace the session's runtime state with one fetched by GetRuntimeState.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Write a checkpoint of every session now (atomically) and truncate the
+        write-ahead log behind it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecorderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +256,51 @@ def add_RecorderServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=recorder_dot_v1_dot_recorder__pb2.StatusRequest.FromString,
                     response_serializer=recorder_dot_v1_dot_recorder__pb2.StatusReply.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.MetricsRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.MetricsReply.SerializeToString,
+            ),
+            'SubmitEpisode': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitEpisode,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeReply.SerializeToString,
+            ),
+            'SampleStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.SampleStart,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.SampleStartRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.SampleStartReply.SerializeToString,
+            ),
+            'SnapshotPotential': grpc.unary_unary_rpc_method_handler(
+                    servicer.SnapshotPotential,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialReply.SerializeToString,
+            ),
+            'GetStoreCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetStoreCheckpoint,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.StoreCheckpointRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+            ),
+            'LoadStoreCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadStoreCheckpoint,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.LoadReply.SerializeToString,
+            ),
+            'GetRuntimeState': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetRuntimeState,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.RuntimeStateRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+            ),
+            'LoadRuntimeState': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadRuntimeState,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.LoadReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +438,249 @@ class Recorder:
             '/recorder.v1.Recorder/GetStatus',
             recorder_dot_v1_dot_recorder__pb2.StatusRequest.SerializeToString,
             recorder_dot_v1_dot_recorder__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/GetMetrics',
+            recorder_dot_v1_dot_recorder__pb2.MetricsRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.MetricsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitEpisode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/SubmitEpisode',
+            recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.SubmitEpisodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/SampleStart',
+            recorder_dot_v1_dot_recorder__pb2.SampleStartRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.SampleStartReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SnapshotPotential(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/SnapshotPotential',
+            recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.SnapshotPotentialReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/recorder.v1.Recorder/GetStoreCheckpoint',
+            recorder_dot_v1_dot_recorder__pb2.StoreCheckpointRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadStoreCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/recorder.v1.Recorder/LoadStoreCheckpoint',
+            recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRuntimeState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/recorder.v1.Recorder/GetRuntimeState',
+            recorder_dot_v1_dot_recorder__pb2.RuntimeStateRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.FilePart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadRuntimeState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/recorder.v1.Recorder/LoadRuntimeState',
+            recorder_dot_v1_dot_recorder__pb2.FilePart.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.LoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/Checkpoint',
+            recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,
