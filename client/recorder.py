@@ -21,6 +21,7 @@ from ._proto import recorder_pb2 as pb
 from ._proto import recorder_pb2_grpc as pb_grpc
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
+from .credentials import PemSource, make_channel
 from .embedded import EmbeddedServer
 from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
 from .naming import check_state_fields
@@ -75,8 +76,12 @@ class RolloutRecorder:
         rpc_timeout: float = 300.0,
         reconnect_timeout: float = 60.0,
         max_bytes_in_flight: int = 256 << 20,
-        block_when_full: bool = True,
+        on_backpressure: str = "block",
         compression_level: int = 1,
+        token: str | None = None,
+        root_certificates: PemSource = None,
+        client_certificate: PemSource = None,
+        client_key: PemSource = None,
         capture: TrajectoryTrainingConfiguration | None = None,
     ) -> None:
         if max_episodes is not None and (
@@ -85,6 +90,8 @@ class RolloutRecorder:
             raise ValueError(
                 f"max_episodes: expected None or a non-negative integer, got {max_episodes!r}"
             )
+        if on_backpressure not in ("block", "drop"):
+            raise ValueError(f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}")
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
         self.max_episodes = None if max_episodes is None else int(max_episodes)
@@ -101,7 +108,7 @@ class RolloutRecorder:
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._rpc_timeout = rpc_timeout
         self._connect_timeout = connect_timeout
-        self._block = block_when_full
+        self._block = on_backpressure == "block"
         self._lock = threading.Lock()
         self._sequence = 0
         self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
@@ -114,8 +121,12 @@ class RolloutRecorder:
             target = self._embedded.target
         self.target = target
         try:
-            self._channel = grpc.insecure_channel(
+            self._channel = make_channel(
                 target,
+                token=token,
+                root_certificates=root_certificates,
+                client_certificate=client_certificate,
+                client_key=client_key,
                 options=[
                     ("grpc.max_receive_message_length", _MESSAGE_CAP),
                     ("grpc.max_send_message_length", _MESSAGE_CAP),
@@ -183,7 +194,7 @@ class RolloutRecorder:
             raise errors[0]
 
     # -- the in-process recorder's API ----------------------------------
-    def record(self, trajectories: Any, env_states: Any = None, *, outcome: Any = None) -> None:
+    def record(self, trajectories: Any, env_states: Any = None, *, outcome: Any = None) -> bool:
         """Queue one (T, N) chunk and return; compression and I/O happen in the background.
 
         `outcome` (or an `outcome` field of `trajectories`) gives optional per-step
@@ -191,6 +202,9 @@ class RolloutRecorder:
         episode's outcome is its last non-zero code.
         The arrays are referenced, not copied: do not write into them afterwards.
         A chunk recorded after the session is full is dropped, as in-process.
+        Returns False when the chunk was dropped: the session is full (as
+        in-process, where record() returns at once), or the in-flight cap was
+        reached with on_backpressure="drop" (counted in `dropped_chunks`).
         Raises InvalidChunkError (a ValueError) for a chunk that does not match
         this worker's earlier chunks, and any refusal the server sent for an
         earlier chunk.
@@ -199,7 +213,7 @@ class RolloutRecorder:
         self._raise_async_errors()
         if self._sender.is_full:
             self._sender.stats.chunks_dropped_full += 1
-            return
+            return False
         arrays: dict[str, Any] = {}
         for name in ("action", "reward", "done"):
             value = _get(trajectories, name)
@@ -223,6 +237,18 @@ class RolloutRecorder:
             item = PendingChunk(self._sequence, raw, arrays)
             if not self._sender.submit(item, block=self._block):
                 self._sequence -= 1
+                return False
+        return True
+
+    @property
+    def dropped_chunks(self) -> int:
+        """Chunks dropped at the in-flight cap (on_backpressure="drop")."""
+        return self._sender.stats.chunks_dropped_in_flight
+
+    @property
+    def bytes_in_flight(self) -> int:
+        """Raw bytes recorded but not yet acknowledged by the server."""
+        return self._sender.bytes_in_flight
 
     def _validate(self, arrays: dict[str, Any]) -> int:
         """Check shapes and dtypes against this worker's earlier chunks; returns raw bytes."""

@@ -6,12 +6,21 @@ import logging
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .metrics import MetricsConfig, MetricsTracker
+from .security import (
+    RECORDER_SERVICE_NAME,
+    TokenAuthInterceptor,
+    add_standard_services,
+    load_token,
+    server_credentials,
+    set_serving,
+)
 from .service import RecorderService, ServiceLimits
 
 logger = logging.getLogger(__name__)
@@ -35,6 +44,13 @@ class ServerOptions:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # HOST:PORT for the Prometheus endpoint, or None for no endpoint.
     metrics_listen: str | None = None
+    # File holding the token every call must carry; None: no token required.
+    token_file: str | None = None
+    # PEM certificate chain and private key: serve TLS instead of plaintext.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # PEM CA that client certificates must chain to (mutual TLS; needs tls_cert).
+    tls_client_ca: str | None = None
 
 
 @dataclass
@@ -43,8 +59,11 @@ class RunningServer:
     service: RecorderService
     address: str
     metrics_address: str | None = None
+    # The grpc.health.v1 servicer (None without grpcio-health-checking).
+    health: Any = None
 
     def stop(self, grace: float | None = 5.0) -> None:
+        set_serving(self.health, False)  # draining: health answers NOT_SERVING
         self.server.stop(grace).wait()
         self.service.close()
         self.service.metrics.close()
@@ -59,6 +78,16 @@ def bound_address(listen: str, port: int) -> str:
 
 def start_server(options: ServerOptions) -> RunningServer:
     Path(options.data_dir).mkdir(parents=True, exist_ok=True)
+    if (options.tls_cert is None) != (options.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key: expected both or neither")
+    if options.tls_client_ca is not None and options.tls_cert is None:
+        raise ValueError("--tls-client-ca: expected --tls-cert and --tls-key with it")
+    interceptors = []
+    if options.token_file is not None:
+        interceptors.append(TokenAuthInterceptor(load_token(options.token_file)))
+    credentials = None
+    if options.tls_cert is not None:
+        credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
     metrics = MetricsTracker(options.metrics)
     metrics_address = None
     if options.metrics_listen:
@@ -74,15 +103,21 @@ def start_server(options: ServerOptions) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
         maximum_concurrent_rpcs=options.threads * 4,
+        interceptors=interceptors,
     )
     pb_grpc.add_RecorderServicer_to_server(service, server)
+    health = add_standard_services(server, [RECORDER_SERVICE_NAME])
     try:
-        port = server.add_insecure_port(options.listen)
+        if credentials is not None:
+            port = server.add_secure_port(options.listen, credentials)
+        else:
+            port = server.add_insecure_port(options.listen)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {options.listen!r}: {exc}") from None
     if port == 0 and not options.listen.startswith("unix:"):
         raise OSError(f"cannot listen on {options.listen!r}")
     server.start()
+    set_serving(health, True)
     address = bound_address(options.listen, port)
     logger.info("listening on %s", address)
-    return RunningServer(server, service, address, metrics_address)
+    return RunningServer(server, service, address, metrics_address, health)

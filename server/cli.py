@@ -9,7 +9,9 @@ import signal
 import sys
 import threading
 
+from . import health_cli
 from .app import DEFAULT_LISTEN, ServerOptions, start_server
+from .metrics import MetricsConfig, WriteGate
 from .service import ServiceLimits
 
 logger = logging.getLogger("recorder_server")
@@ -36,10 +38,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=ServiceLimits(
             max_sessions=args.max_sessions, max_workers_per_session=args.max_workers
         ),
+        token_file=args.token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics=MetricsConfig(
+            prometheus=True,
+            tensorboard_dir=args.tensorboard_dir,
+            jsonl_path=args.metrics_jsonl,
+            tensorboard_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
+            jsonl_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
+        ),
+        metrics_listen=args.metrics_listen,
     )
     try:
         running = start_server(options)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"rollout-recorder: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -47,6 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.exit_with_stdin:
         threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    if running.metrics_address:
+        logger.warning("metrics at http://%s/metrics", running.metrics_address)
     print(f"rollout-recorder listening on {running.address}", flush=True)
     while not stop.wait(0.5):
         pass
@@ -77,11 +93,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"
     )
+    metrics = serve.add_argument_group("metrics")
+    metrics.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus endpoint")
+    metrics.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard event files")
+    metrics.add_argument("--metrics-jsonl", metavar="FILE", help="JSON lines of metric values")
+    metrics.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=1.0,
+        help="seconds between TensorBoard/JSONL writes (default %(default)s)",
+    )
+    metrics.add_argument(
+        "--metrics-every-steps",
+        type=int,
+        default=0,
+        help="env steps between TensorBoard/JSONL writes (default: no step gate)",
+    )
+    serve.add_argument(
+        "--token-file",
+        default=os.environ.get("ROLLOUT_RECORDER_TOKEN_FILE") or None,
+        help="file holding the token clients must send (default $ROLLOUT_RECORDER_TOKEN_FILE)",
+    )
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA of client certificates (mutual TLS)"
+    )
     serve.set_defaults(func=cmd_serve)
 
-    from . import demo
+    from . import demo, status_cli
 
     demo.add_parsers(sub)
+    health_cli.add_parser(sub)
+    status_cli.add_parser(sub)
     return parser
 
 

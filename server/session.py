@@ -207,6 +207,17 @@ def _decode_chunk(chunk: pb.Chunk, config: SessionConfig, max_raw: int) -> Decod
     return DecodedChunk(chunk.sequence, length, n, arrays["done"], arrays, encoded, schema, wire)
 
 
+class SessionMetrics:
+    """The processor's metrics object: every value it logs carries the session label."""
+
+    def __init__(self, metrics, session: str) -> None:
+        self._metrics = metrics
+        self._session = session
+
+    def log_many(self, values: dict[str, float], step: int) -> None:
+        self._metrics.log_many(values, step, session=self._session)
+
+
 class Session:
     """One recording: every worker that joined it, in join order."""
 
@@ -223,7 +234,7 @@ class Session:
         self.worker_locks: dict[str, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
         self.processor = TrajectoryCaptureProcessor(
-            config.capture, metrics, build_store(config.capture)
+            config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
         self.feeder = EpisodeFeeder(name, self.processor, metrics)
         self._clear()

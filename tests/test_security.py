@@ -63,11 +63,16 @@ def _no_token_in_env(monkeypatch):
 @dataclass
 class Secured:
     server: grpc.Server
+    service: RecorderService
     health: Any
     address: str
 
     def stop(self) -> None:
         self.server.stop(0).wait()
+        for owner in (self.service, getattr(self.service, "metrics", None)):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
 
 
 def start_secured(
@@ -82,7 +87,8 @@ def start_secured(
         interceptors=[TokenAuthInterceptor(token)] if token else [],
         options=[("grpc.so_reuseport", 0)],
     )
-    pb_grpc.add_RecorderServicer_to_server(RecorderService(limits), server)
+    service = RecorderService(limits)
+    pb_grpc.add_RecorderServicer_to_server(service, server)
     health = add_standard_services(server, [RECORDER_SERVICE_NAME])
     if credentials is None:
         port = server.add_insecure_port("127.0.0.1:0")
@@ -92,7 +98,7 @@ def start_secured(
     server.start()
     if serving:
         set_serving(health, True)
-    return Secured(server, health, f"127.0.0.1:{port}")
+    return Secured(server, service, health, f"127.0.0.1:{port}")
 
 
 @pytest.fixture
@@ -175,7 +181,9 @@ def _make_leaf(ca_key, ca_cert, cn: str, *, server: bool) -> tuple[bytes, bytes]
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
             )
         )
-    cert = _cert(_name(cn), ca_cert.subject, key.public_key(), ca_key, ca=False, extensions=extensions)
+    cert = _cert(
+        _name(cn), ca_cert.subject, key.public_key(), ca_key, ca=False, extensions=extensions
+    )
     return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
 
@@ -388,7 +396,7 @@ def test_tls_round_trip(pki):
         running.stop()
 
 
-def test_plaintext_client_against_tls_server_fails_clearly(pki):
+def test_plaintext_client_against_tls_server_fails_clearly(pki, capsys):
     running = start_secured(credentials=server_credentials(pki.server_cert, pki.server_key))
     try:
         with make_channel(running.address, token=TOKEN) as channel:
@@ -397,9 +405,18 @@ def test_plaintext_client_against_tls_server_fails_clearly(pki):
         mapped = from_rpc_error(err, running.address)
         assert isinstance(mapped, RecorderUnavailableError)
         assert running.address in str(mapped)
-        assert health_cli.health_main(running.address, 1.0) == 1
+        assert "if the server uses TLS, pass root_certificates" in str(mapped)
+        assert health_cli.health_main(running.address, 5.0) == 1
+        assert "--tls-ca" in capsys.readouterr().out
     finally:
         running.stop()
+
+
+def test_tls_client_against_plaintext_server_fails(secured, pki):
+    with make_channel(secured.address, token=TOKEN, root_certificates=pki.ca) as channel:
+        err = rpc_error(join, channel)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "drop them" in str(from_rpc_error(err, secured.address))
 
 
 def test_tls_client_refuses_a_server_from_another_ca(pki):
@@ -421,9 +438,7 @@ def test_mutual_tls(pki):
         with make_channel(running.address, token=TOKEN, root_certificates=pki.ca) as ch:
             assert rpc_error(join, ch).code() == grpc.StatusCode.UNAVAILABLE
         stranger = {"client_certificate": pki.stranger_cert, "client_key": pki.stranger_key}
-        with make_channel(
-            running.address, token=TOKEN, root_certificates=pki.ca, **stranger
-        ) as ch:
+        with make_channel(running.address, token=TOKEN, root_certificates=pki.ca, **stranger) as ch:
             assert rpc_error(join, ch).code() == grpc.StatusCode.UNAVAILABLE
     finally:
         running.stop()
@@ -441,7 +456,9 @@ def test_reflection_lists_the_recorder_service(secured):
     with make_channel(secured.address, token=TOKEN) as channel:
         names = list_services(channel)
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="recorder.v1.Recorder")
+        request = reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="recorder.v1.Recorder"
+        )
         reply = next(iter(stub.ServerReflectionInfo(iter([request]), timeout=10)))
     assert RECORDER_SERVICE_NAME == "recorder.v1.Recorder"
     assert "recorder.v1.Recorder" in names

@@ -3,7 +3,7 @@
 Pure Python + numpy (+ zstandard); no gRPC. See DESIGN.md, "Trajectory store".
 """
 
-from .cells import EpisodeArrays
+from .cells import EpisodeArrays, EpisodeBatch
 from .store import (
     CHECKPOINT_FORMAT,
     CellInfo,
@@ -17,6 +17,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CellInfo",
     "EpisodeArrays",
+    "EpisodeBatch",
     "EpisodeRecord",
     "TrajectoryStore",
     "decode_checkpoint_state",

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cells import EpisodeCells, key_bytes
+from .batch import BatchCells
+from .cells import key_bytes
 
 # Array name -> (dtype, fill for new cells). "keys" is (capacity, F); the rest are (capacity,).
 _COLUMNS: dict[str, tuple[type, float | int]] = {
@@ -25,17 +26,21 @@ _COLUMNS: dict[str, tuple[type, float | int]] = {
 
 
 @dataclass(frozen=True)
-class ArchiveUpdate:
-    """What one episode did to the archive."""
+class BatchUpdate:
+    """What a batch of episodes did to the archive (as if recorded one by one, in order)."""
 
     cell_ids: np.ndarray
-    """(U,) archive ids of the episode's distinct cells (same order as EpisodeCells)."""
-    new_cells: int
-    """How many of them were first seen in this episode."""
+    """(U,) archive ids of the batch's distinct cells (same order as BatchCells.keys)."""
+    new_cells: np.ndarray
+    """(E,) int64 cells first seen in each episode."""
     improved: np.ndarray
-    """(U,) bool: the episode is now the cell's best reference."""
-    released: dict[int, int]
-    """Old best trajectory id -> number of cells that stopped referencing it."""
+    """(E,) int64 cells whose best reference moved to each episode when it was recorded."""
+    released_ep: np.ndarray
+    """(R,) episode whose recording released a reference, sorted; with released_tid and
+    released_count: episode released_ep[r] took released_count[r] cells from trajectory
+    released_tid[r] (an older trajectory or an earlier episode of the batch)."""
+    released_tid: np.ndarray
+    released_count: np.ndarray
 
 
 class CellArchive:
@@ -78,46 +83,158 @@ class CellArchive:
             return self.keys[: self.size]
         return self.cols[name][: self.size]
 
-    def apply_episode(
-        self, cells: EpisodeCells, trajectory_id: int, global_step: int
-    ) -> ArchiveUpdate:
-        """Add visits, register new cells, and move best references to this episode where it
-        wins (higher cumulative reward; on a tie, an earlier step). Refcounts are the caller's."""
-        index = self._index
-        ids = np.fromiter(
-            (index.get(k, -1) for k in cells.key_ids), dtype=np.int64, count=len(cells.key_ids)
-        )
+    def apply_batch(
+        self, cells: BatchCells, first_trajectory_id: int, global_steps: np.ndarray
+    ) -> BatchUpdate:
+        """Fold a batch of episodes (trajectory ids first_trajectory_id, +1, ...) into the
+        archive exactly as applying them one at a time would: visits, new cells (ids in the
+        order the one-at-a-time path assigns them: by episode, then by key bytes), and best
+        references (higher cumulative reward wins; on a tie, an earlier step; an episode is
+        judged against the state the earlier episodes of the batch left). Refcounts are the
+        caller's, from the returned releases."""
+        num_eps = cells.num_episodes
+        num_cells = len(cells.key_ids)
+        get = self._index.get
+        ids = np.fromiter((get(k, -1) for k in cells.key_ids), dtype=np.int64, count=num_cells)
+        new_per_ep = np.zeros(num_eps, dtype=np.int64)
         fresh = np.flatnonzero(ids < 0)
         if fresh.size:
+            first = cells.first_index(fresh)
+            first_ep = np.searchsorted(cells.offsets, first, side="right") - 1
+            # One episode at a time, new cells get ids in np.unique order of their key bytes.
+            _, byte_rank = np.unique(key_bytes(cells.keys[fresh]), return_inverse=True)
+            order = np.lexsort((byte_rank.reshape(-1), first_ep))
+            fresh, first, first_ep = fresh[order], first[order], first_ep[order]
             self._grow(self.size + fresh.size)
             new_ids = np.arange(self.size, self.size + fresh.size, dtype=np.int64)
             ids[fresh] = new_ids
+            index = self._index
+            key_ids = cells.key_ids
             for i, cid in zip(fresh.tolist(), new_ids.tolist(), strict=True):
-                index[cells.key_ids[i]] = cid
+                index[key_ids[i]] = cid
             self.keys[new_ids] = cells.keys[fresh]
-            self.cols["first_seen_step"][new_ids] = global_step
-            self.cols["first_seen_offset"][new_ids] = cells.first_step[fresh]
+            self.cols["first_seen_step"][new_ids] = global_steps[first_ep]
+            self.cols["first_seen_offset"][new_ids] = first - cells.offsets[first_ep]
             self.size += fresh.size
-        counts = np.bincount(cells.inverse, minlength=ids.size)
-        self.cols["visits"][ids] += counts
+            new_per_ep = np.bincount(first_ep, minlength=num_eps).astype(np.int64)
+        self.cols["visits"][ids] += cells.visits
+
+        if num_eps == 1:
+            improved, rel_tid, counts = self._replace_one(cells, ids, first_trajectory_id)
+            rel_ep = np.zeros(rel_tid.shape[0], dtype=np.int64)
+        else:
+            improved, rel_ep, rel_tid, counts = self._replace_in_order(
+                cells, ids, first_trajectory_id
+            )
+        return BatchUpdate(
+            cell_ids=ids,
+            new_cells=new_per_ep,
+            improved=improved,
+            released_ep=rel_ep,
+            released_tid=rel_tid,
+            released_count=counts,
+        )
+
+    def _replace_one(
+        self, cells: BatchCells, ids: np.ndarray, trajectory_id: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Best-reference replacement for a batch of one episode (each cell has one candidate,
+        in cell order): ``(improved (1,), released tids, their counts)``."""
         best_ret = self.cols["best_return"][ids]
         best_step = self.cols["best_step"][ids]
         best_traj = self.cols["best_trajectory"][ids]
-        improved = (best_traj < 0) | (cells.best_return > best_ret)
-        improved |= (cells.best_return == best_ret) & (cells.best_step < best_step)
-        released: dict[int, int] = {}
-        old = best_traj[improved]
+        ret, step = cells.pair_best_return, cells.pair_best_step
+        won = (best_traj < 0) | (ret > best_ret)
+        won |= (ret == best_ret) & (step < best_step)
+        old = best_traj[won]
         old = old[old >= 0]
         if old.size:
-            tids, n = np.unique(old, return_counts=True)
-            released = dict(zip(tids.tolist(), n.tolist(), strict=True))
-        won = ids[improved]
-        self.cols["best_trajectory"][won] = trajectory_id
-        self.cols["best_step"][won] = cells.best_step[improved]
-        self.cols["best_return"][won] = cells.best_return[improved]
-        return ArchiveUpdate(
-            cell_ids=ids, new_cells=int(fresh.size), improved=improved, released=released
-        )
+            tids, counts = np.unique(old, return_counts=True)
+        else:
+            tids = counts = np.zeros(0, dtype=np.int64)
+        target = ids[won]
+        self.cols["best_trajectory"][target] = trajectory_id
+        self.cols["best_step"][target] = step[won]
+        self.cols["best_return"][target] = ret[won]
+        return np.array([np.count_nonzero(won)], dtype=np.int64), tids, counts
+
+    def _replace_in_order(
+        self, cells: BatchCells, ids: np.ndarray, first_trajectory_id: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Best-reference replacement for a batch, episode after episode:
+        ``(improved (E,), released_ep, released_tid, released_count)``."""
+        num_eps = cells.num_episodes
+        num_cells = ids.shape[0]
+        # Per cell, a segment: the incumbent (or a placeholder), then the batch's candidates
+        # in episode order. A candidate improves the cell iff it beats the running best of its
+        # segment so far, so a segmented running max over a rank that orders (return, -step)
+        # replays the one-at-a-time replacement rule.
+        order = cells.cell_order
+        c_cell = cells.pair_cell[order]
+        c_ep = cells.pair_ep[order]
+        num_pairs = order.shape[0]
+        ncand = np.bincount(c_cell, minlength=num_cells)
+        size = num_pairs + num_cells
+        start = np.arange(num_cells, dtype=np.int64) + np.cumsum(ncand) - ncand
+        cpos = np.arange(num_pairs, dtype=np.int64) + c_cell + 1
+        best_traj = self.cols["best_trajectory"][ids]
+        item_tid = np.empty(size, dtype=np.int64)
+        item_tid[start] = best_traj
+        item_tid[cpos] = first_trajectory_id + c_ep
+        item_ret = np.empty(size, dtype=np.float64)
+        item_ret[start] = self.cols["best_return"][ids]
+        item_ret[cpos] = cells.pair_best_return[order]
+        item_step = np.empty(size, dtype=np.int64)
+        item_step[start] = self.cols["best_step"][ids]
+        item_step[cpos] = cells.pair_best_step[order]
+        valid = np.ones(size, dtype=bool)
+        valid[start] = best_traj >= 0
+        rank = np.zeros(size, dtype=np.int64)
+        if size:
+            _, ret_rank = np.unique(item_ret[valid], return_inverse=True)
+            ret_rank = ret_rank.reshape(-1)
+            vstep = item_step[valid]
+            span = int(vstep.max()) + 1 if vstep.size else 1
+            rank[valid] = ret_rank * span + (span - 1 - vstep) + 1
+            width = (int(ret_rank.max()) + 1 if ret_rank.size else 0) * span + 1
+            if num_cells * width >= 1 << 62:
+                _, dense = np.unique(rank, return_inverse=True)
+                rank = dense.reshape(-1).astype(np.int64)
+                width = int(rank.max()) + 1
+            cell_of_item = np.repeat(np.arange(num_cells, dtype=np.int64), ncand + 1)
+            rank += cell_of_item * width
+        running = np.maximum.accumulate(rank)
+        won = np.zeros(size, dtype=bool)
+        won[1:] = rank[1:] > running[:-1]
+        won[start] = False
+        holder = np.where(won, np.arange(size, dtype=np.int64), 0)
+        holder[start] = start
+        holder = np.maximum.accumulate(holder)
+
+        c_won = won[cpos]
+        won_pos = cpos[c_won]
+        won_ep = c_ep[c_won]
+        improved_per_ep = np.bincount(won_ep, minlength=num_eps).astype(np.int64)
+        prev_tid = item_tid[holder[won_pos - 1]]
+        keep = prev_tid >= 0
+        rel_ep, rel_tid = won_ep[keep], prev_tid[keep]
+        if rel_ep.size:
+            low = int(rel_tid.min())
+            tid_span = int(rel_tid.max()) - low + 1
+            code, counts = np.unique(rel_ep * tid_span + (rel_tid - low), return_counts=True)
+            rel_ep, rel_tid = np.divmod(code, tid_span)
+            rel_tid += low
+        else:
+            counts = np.zeros(0, dtype=np.int64)
+
+        final = holder[start + ncand]
+        moved = final != start
+        target, final = ids[moved], final[moved]
+        self.cols["best_trajectory"][target] = item_tid[final]
+        self.cols["best_step"][target] = item_step[final]
+        self.cols["best_return"][target] = item_ret[final]
+        return improved_per_ep, rel_ep, rel_tid, counts.astype(np.int64, copy=False)
+
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Copies of every live column, for a checkpoint."""

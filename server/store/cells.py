@@ -112,16 +112,27 @@ def field_column(spec: CellField, states: Mapping[str, np.ndarray], length: int)
             f"{arr.shape[1:]}"
         )
     col = arr[(slice(None), *spec.index)]
-    if col.dtype.kind == "b":
-        col = col.astype(np.int64)
-    elif col.dtype.kind == "f":
-        if not np.isfinite(col).all():
-            raise ValueError(f"states[{spec.state_field!r}]: non-finite value in a cell field")
-    elif col.dtype.kind not in "iu":
-        raise ValueError(f"states[{spec.state_field!r}]: expected a numeric dtype, got {col.dtype}")
-    if spec.bucket != 1:
-        col = np.floor_divide(col, spec.bucket)
-    out = col.astype(np.int64)
+    kind = col.dtype.kind
+    if kind == "b" or kind == "i" or (kind == "u" and col.dtype.itemsize < 8):
+        # Exact in int64, so widen first (one contiguous copy) and divide in place.
+        out = col.astype(np.int64)
+        bucket = spec.bucket
+        if bucket != 1:
+            if bucket & (bucket - 1) == 0:
+                np.right_shift(out, bucket.bit_length() - 1, out=out)  # floor division
+            else:
+                np.floor_divide(out, bucket, out=out)
+    else:
+        if kind == "f":
+            if not np.isfinite(col).all():
+                raise ValueError(f"states[{spec.state_field!r}]: non-finite value in a cell field")
+        elif kind != "u":
+            raise ValueError(
+                f"states[{spec.state_field!r}]: expected a numeric dtype, got {col.dtype}"
+            )
+        if spec.bucket != 1:
+            col = np.floor_divide(col, spec.bucket)
+        out = col.astype(np.int64)
     if out.shape != (length,):
         raise ValueError(f"states[{spec.state_field!r}]: expected {length} steps, got {out.shape}")
     return out
@@ -141,40 +152,130 @@ def key_bytes(keys: np.ndarray) -> np.ndarray:
     return keys.view(np.dtype((np.void, 8 * keys.shape[1]))).reshape(keys.shape[0])
 
 
+def _state_array(states: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    arr = states.get(name)
+    if arr is None and name in _ALIASES:
+        arr = states.get(_ALIASES[name])
+    if arr is None:
+        raise ValueError(f"states: cell field {name!r} is missing; episode has {sorted(states)}")
+    return np.asarray(arr)
+
+
+def batch_cell_columns(
+    specs: tuple[CellField, ...],
+    states: list[Mapping[str, np.ndarray]],
+    lengths: list[int],
+) -> np.ndarray:
+    """The (F, S) int64 cell-key columns of several episodes' steps, concatenated in order.
+
+    ``states[i]`` holds episode i's state fields and ``lengths[i]`` its length. Each state
+    field is concatenated once and keyed in one pass when every episode gives it the same
+    dtype and per-step shape; otherwise each episode is keyed on its own (keys never depend
+    on how episodes are batched).
+    """
+    total = int(sum(lengths))
+    columns = np.empty((len(specs), total), dtype=np.int64)
+    if not states:
+        return columns
+    by_field: dict[str, list[int]] = {}
+    for j, spec in enumerate(specs):
+        by_field.setdefault(spec.state_field, []).append(j)
+    for name, js in by_field.items():
+        arrays = [_state_array(st, name) for st in states]
+        head = arrays[0]
+        if all(a.dtype == head.dtype and a.shape[1:] == head.shape[1:] for a in arrays):
+            whole = {name: head if len(arrays) == 1 else np.concatenate(arrays)}
+            for j in js:
+                columns[j] = field_column(specs[j], whole, total)
+        else:
+            for j in js:
+                columns[j] = np.concatenate(
+                    [
+                        field_column(specs[j], {name: a}, n)
+                        for a, n in zip(arrays, lengths, strict=True)
+                    ]
+                )
+    return columns
+
+
 @dataclass(frozen=True, eq=False)
-class EpisodeCells:
-    """The distinct cells of one episode, in some fixed order."""
+class EpisodeBatch:
+    """Several episodes as one set of concatenated arrays plus their lengths.
 
-    keys: np.ndarray
-    """(U, F) int64 distinct cell keys."""
-    key_ids: list[bytes]
-    """The same keys as bytes (dict keys of the archive index)."""
-    first_step: np.ndarray
-    """(U,) first step at which each cell is visited."""
-    inverse: np.ndarray
-    """(L,) index into ``keys`` of each step's cell."""
-    best_step: np.ndarray
-    """(U,) the step with the highest cumulative reward in the cell, earliest on a tie."""
-    best_return: np.ndarray
-    """(U,) cumulative reward (float64, up to and including ``best_step``)."""
+    The cheap input form of :meth:`TrajectoryStore.record_episode_batch`: episode i is steps
+    ``offsets[i]..offsets[i+1]-1`` of every array. Recording a batch is identical to recording
+    ``batch.episode(i)`` one by one (stored trajectories are slices of these arrays, so keep
+    dtypes what the per-episode arrays would have been).
+    """
 
+    actions: np.ndarray
+    """(S,) or (S, ...) actions of all episodes, back to back."""
+    rewards: np.ndarray
+    """(S,) rewards, numeric."""
+    states: dict[str, np.ndarray]
+    """State fields, each (S, ...)."""
+    lengths: np.ndarray
+    """(E,) episode lengths (>= 0) summing to S."""
+    offsets: np.ndarray = field(init=False, repr=False)
+    """(E+1,) start of each episode, then S."""
 
-def group_episode(keys: np.ndarray, cumulative: np.ndarray) -> EpisodeCells:
-    """Group steps by cell and find each cell's best step within the episode."""
-    voids = key_bytes(keys)
-    uniq, first, inverse = np.unique(voids, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    steps = np.arange(keys.shape[0])
-    # Primary key cell, then cumulative reward descending, then step ascending.
-    order = np.lexsort((steps, -cumulative, inverse))
-    sorted_cells = inverse[order]
-    starts = np.flatnonzero(np.r_[True, sorted_cells[1:] != sorted_cells[:-1]])
-    best = order[starts]
-    return EpisodeCells(
-        keys=keys[first],
-        key_ids=uniq.tolist(),
-        first_step=first,
-        inverse=inverse,
-        best_step=best,
-        best_return=cumulative[best],
-    )
+    def __post_init__(self) -> None:
+        lengths = np.asarray(self.lengths)
+        if lengths.ndim != 1 or (lengths.size and lengths.dtype.kind not in "iu"):
+            raise ValueError(f"lengths: expected a 1-d int array, got {lengths!r}")
+        lengths = lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"lengths: expected lengths >= 0, got {lengths.min()}")
+        whole = EpisodeArrays(self.actions, self.rewards, self.states)
+        if int(lengths.sum()) != whole.length:
+            raise ValueError(
+                f"lengths: sum to {int(lengths.sum())}, but the arrays hold {whole.length} steps"
+            )
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        object.__setattr__(self, "actions", whole.actions)
+        object.__setattr__(self, "rewards", whole.rewards)
+        object.__setattr__(self, "states", whole.states)
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "offsets", offsets)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def episode(self, i: int) -> EpisodeArrays:
+        """Episode ``i`` as views into the batch arrays."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return EpisodeArrays(
+            actions=self.actions[a:b],
+            rewards=self.rewards[a:b],
+            states={k: v[a:b] for k, v in self.states.items()},
+        )
+
+    @classmethod
+    def from_episodes(cls, episodes: Any) -> EpisodeBatch:
+        """Concatenate episodes that share dtypes, per-step shapes and state field names."""
+        episodes = [EpisodeArrays.coerce(e) for e in episodes]
+        if not episodes:
+            raise ValueError("episodes: expected at least one episode")
+        first = episodes[0]
+
+        def signature(e: EpisodeArrays) -> tuple:
+            return (
+                (e.actions.dtype, e.actions.shape[1:]),
+                (e.rewards.dtype,),
+                tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in e.states.items())),
+            )
+
+        sig = signature(first)
+        for i, e in enumerate(episodes):
+            if signature(e) != sig:
+                raise ValueError(
+                    f"episodes[{i}]: dtypes, per-step shapes or state fields differ from "
+                    f"episodes[0] ({signature(e)} != {sig})"
+                )
+        return cls(
+            actions=np.concatenate([e.actions for e in episodes]),
+            rewards=np.concatenate([e.rewards for e in episodes]),
+            states={k: np.concatenate([e.states[k] for e in episodes]) for k in first.states},
+            lengths=np.array([e.length for e in episodes], dtype=np.int64),
+        )

@@ -95,9 +95,17 @@ def unpack_arrays(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.nd
     return arrays, header.get("meta")
 
 
-def compress(data: bytes, level: int = 3) -> bytes:
-    """One zstd frame with the content size declared."""
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+def compressor(level: int = 3) -> zstandard.ZstdCompressor:
+    """A fresh compressor for :func:`compress` (reuse it within one thread to save setup)."""
+    return zstandard.ZstdCompressor(level=level, write_content_size=True)
+
+
+def compress(
+    data: bytes, level: int = 3, *, using: zstandard.ZstdCompressor | None = None
+) -> bytes:
+    """One zstd frame with the content size declared; ``using`` (from :func:`compressor`,
+    same level) avoids building a compressor per call and gives the same bytes."""
+    return (using or compressor(level)).compress(data)
 
 
 def decompress(data: bytes | bytearray | memoryview, max_raw: int = DEFAULT_MAX_RAW_BYTES) -> bytes:

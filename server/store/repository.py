@@ -14,6 +14,7 @@ import heapq
 from dataclasses import dataclass
 
 import numpy as np
+import zstandard
 
 from . import codec
 from .cells import EpisodeArrays
@@ -21,11 +22,14 @@ from .cells import EpisodeArrays
 _STATE_PREFIX = "state/"
 
 
-def encode_episode(episode: EpisodeArrays, level: int = 3) -> bytes:
-    """An episode as one zstd-compressed codec container."""
+def encode_episode(
+    episode: EpisodeArrays, level: int = 3, *, compressor: zstandard.ZstdCompressor | None = None
+) -> bytes:
+    """An episode as one zstd-compressed codec container (``compressor``: a reusable
+    :func:`codec.compressor` of the same level; same bytes)."""
     arrays = {"actions": episode.actions, "rewards": episode.rewards}
     arrays.update({_STATE_PREFIX + k: v for k, v in episode.states.items()})
-    return codec.compress(codec.pack_arrays(arrays), level)
+    return codec.compress(codec.pack_arrays(arrays), level, using=compressor)
 
 
 def decode_episode(blob: bytes) -> EpisodeArrays:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,8 @@ from recorder_client.capture_types import (
 from . import codec
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
-from .cells import EpisodeArrays, cell_keys, group_episode
+from .batch import discount_exponents, group_batch
+from .cells import EpisodeArrays, EpisodeBatch, batch_cell_columns, cell_keys, field_column
 from .curriculum import Curriculum
 from .repository import TrajectoryRepository, decode_episode, encode_episode
 from .utilities import UtilityTable, aggregate
@@ -89,6 +91,12 @@ class TrajectoryStore:
         self._curriculum = Curriculum(configuration.selection_power, seed)
         self._pending: OrderedDict[tuple[int, int], TrajectoryKey] = OrderedDict()
         self._counters = {"episodes": 0, "steps": 0, "last_new_cells": 0, "last_improved": 0}
+        # Per utility: the sign of each outcome code; gamma -> cached gamma ** k table.
+        self._sign_tables = [
+            np.array([u.sign(o) for o in EpisodeOutcome], dtype=np.float64)
+            for u in configuration.utilities
+        ]
+        self._power_tables: dict[float, np.ndarray] = {}
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -122,48 +130,187 @@ class TrajectoryStore:
         """Fold one finished episode into the archive, repository and utilities.
 
         ``step`` is the caller's global step; it becomes ``first_seen_step`` of new cells.
-        An UNKNOWN outcome goes through the configured OutcomeRule first.
+        An UNKNOWN outcome goes through the configured OutcomeRule first. (A batch of one:
+        see :meth:`record_episodes`.)
         """
-        episode = EpisodeArrays.coerce(episode)
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise ValueError(f"step: expected an int, got {step!r}")
-        step = int(step)
-        cumulative = np.cumsum(episode.rewards, dtype=np.float64)
-        if cumulative.size and not np.isfinite(cumulative).all():
-            raise ValueError("rewards: episode has non-finite rewards or return")
-        outcome = self._config.outcome_rule.resolve(
-            EpisodeOutcome.coerce(outcome), float(cumulative[-1]) if cumulative.size else 0.0
+        return self.record_episodes(
+            [episode], steps=[step], outcomes=[outcome], start_references=[start_reference]
+        )[0]
+
+    def record_episodes(
+        self,
+        episodes: Sequence[EpisodeArrays],
+        *,
+        steps: Sequence[int] | int,
+        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+    ) -> list[EpisodeRecord]:
+        """Record several finished episodes, with results identical to calling
+        :meth:`record_episode` for each in order (ids, archive, best references and their
+        tie-breaks, repository contents and evictions, utilities, counters), but vectorised
+        over the whole batch.
+
+        ``steps`` and ``outcomes`` give one value per episode, or one value for all. The batch
+        is validated as a whole first: on invalid input nothing is recorded (ValueError).
+        Episodes may be EpisodeArrays or anything :meth:`EpisodeArrays.coerce` accepts.
+        """
+        if isinstance(episodes, (EpisodeArrays, Mapping)):
+            raise ValueError("episodes: expected a sequence of episodes, got a single episode")
+        episodes = [EpisodeArrays.coerce(e) for e in episodes]
+        count = len(episodes)
+        step_array = _batch_steps(steps, count)
+        lengths = np.fromiter((e.rewards.shape[0] for e in episodes), dtype=np.int64, count=count)
+        offsets = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        cumulative = _segment_cumsum(
+            np.concatenate([e.rewards for e in episodes] or [np.zeros(0)], dtype=np.float64),
+            offsets,
         )
-        if start_reference is not None and not isinstance(
-            start_reference, TrajectorySliceReference
-        ):
-            raise ValueError(
-                f"start_reference: expected a TrajectorySliceReference, got {start_reference!r}"
+        nonempty = [i for i, n in enumerate(lengths.tolist()) if n]
+        states = [episodes[i].states for i in nonempty]
+
+        def keys() -> np.ndarray:
+            return batch_cell_columns(
+                self._config.cell_fields, states, [int(lengths[i]) for i in nonempty]
             )
-        length = episode.length
-        cells = None
-        if length:
-            keys = cell_keys(self._config.cell_fields, episode.states, length)
-            cells = group_episode(keys, cumulative)
+
+        def encode(i: int, compressor: Any) -> bytes:
+            return encode_episode(episodes[i], compressor=compressor)
+
+        return self._record_batch(
+            lengths, offsets, cumulative, keys, encode, step_array, outcomes, start_references
+        )
+
+    def record_episode_batch(
+        self,
+        batch: EpisodeBatch,
+        *,
+        steps: Sequence[int] | int,
+        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+    ) -> list[EpisodeRecord]:
+        """:meth:`record_episodes` for episodes already concatenated into an EpisodeBatch
+        (identical to recording ``batch.episode(i)`` one by one)."""
+        if not isinstance(batch, EpisodeBatch):
+            raise ValueError(f"batch: expected an EpisodeBatch, got {type(batch).__name__}")
+        count = len(batch)
+        step_array = _batch_steps(steps, count)
+        lengths, offsets = batch.lengths, batch.offsets
+        cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
+
+        def keys() -> np.ndarray:
+            n = cumulative.shape[0]
+            return np.stack([field_column(f, batch.states, n) for f in self._config.cell_fields])
+
+        def encode(i: int, compressor: Any) -> bytes:
+            return encode_episode(batch.episode(i), compressor=compressor)
+
+        return self._record_batch(
+            lengths, offsets, cumulative, keys, encode, step_array, outcomes, start_references
+        )
+
+    def _powers(self, gamma: float, length: int) -> np.ndarray:
+        """``gamma ** [0, 1, ...]`` (float64, at least ``length`` entries), cached."""
+        table = self._power_tables.get(gamma)
+        if table is None or table.shape[0] < length:
+            n = max(length, 1024 if table is None else 2 * table.shape[0])
+            table = np.power(gamma, np.arange(n, dtype=np.float64))
+            self._power_tables[gamma] = table
+        return table
+
+    def _record_batch(
+        self,
+        lengths: np.ndarray,
+        offsets: np.ndarray,
+        cumulative: np.ndarray,
+        keys: Callable[[], np.ndarray],
+        encode: Callable[[int, Any], bytes],
+        step_array: np.ndarray,
+        outcomes: Any,
+        start_references: Any,
+    ) -> list[EpisodeRecord]:
+        count = lengths.shape[0]
+        if cumulative.size and not np.isfinite(cumulative).all():
+            bad = int(np.searchsorted(offsets, np.argmin(np.isfinite(cumulative)), "right")) - 1
+            where = f" (episode {bad} of the batch)" if count > 1 else ""
+            raise ValueError(f"rewards: episode has non-finite rewards or return{where}")
+        outcome_list = _batch_outcomes(outcomes, count)
+        rule = self._config.outcome_rule
+        ends = offsets[1:].tolist()
+        resolved = [
+            rule.resolve(o, float(cumulative[end - 1]) if n else 0.0)
+            for o, end, n in zip(outcome_list, ends, lengths.tolist(), strict=True)
+        ]
+        refs = _batch_references(start_references, count)
+        cells = group_batch(keys(), cumulative, lengths) if cumulative.size else None
+        signs = self._utilities_signs(resolved)
+        pair_sums: list[np.ndarray | None] = []
+        if cells is not None:
+            exponents = None
+            for config, sign in zip(self._config.utilities, signs, strict=True):
+                if sign is None:
+                    pair_sums.append(None)
+                    continue
+                if exponents is None:
+                    exponents = discount_exponents(offsets)
+                table = self._powers(config.gamma, int(lengths.max()))
+                pair_sums.append(cells.pair_sums(table[exponents]))
+        compressor = None
         with self._lock:
-            tid = self._repository.allocate_id()
-            new = improved = 0
+            first_tid = self._repository.next_id
+            self._repository.next_id += count
+            improved = new = np.zeros(count, dtype=np.int64)
+            rel_bounds, rel_tid, rel_count = [0] * (count + 1), [], []
             if cells is not None:
-                update = self._archive.apply_episode(cells, tid, step)
-                new, improved = update.new_cells, int(update.improved.sum())
-                self._repository.release(update.released)
-                blob = encode_episode(episode) if improved else b""
-                self._repository.add(tid, blob, length, improved)
-                self._utilities.apply_episode(
-                    update.cell_ids, cells.inverse, outcome, len(self._archive)
+                update = self._archive.apply_batch(cells, first_tid, step_array)
+                new, improved = update.new_cells, update.improved
+                self._utilities.apply_batch(
+                    update.cell_ids,
+                    cells.pair_ep,
+                    cells.pair_cell,
+                    pair_sums,
+                    signs,
+                    len(self._archive),
                 )
-            if start_reference is not None:
-                self._curriculum.count_midpoint_start(self._start_cell(start_reference))
+                rel_bounds = np.searchsorted(update.released_ep, np.arange(count + 1)).tolist()
+                rel_tid = update.released_tid.tolist()
+                rel_count = update.released_count.tolist()
+            repository = self._repository
+            improved_list, length_list = improved.tolist(), lengths.tolist()
+            for i in range(count):
+                length = length_list[i]
+                if length:
+                    a, b = rel_bounds[i], rel_bounds[i + 1]
+                    if b > a:
+                        repository.release(dict(zip(rel_tid[a:b], rel_count[a:b], strict=True)))
+                    n = improved_list[i]
+                    if n:
+                        if compressor is None:
+                            compressor = codec.compressor()
+                        repository.add(first_tid + i, encode(i, compressor), length, n)
+                    else:
+                        repository.add(first_tid + i, b"", length, 0)
+                ref = refs[i]
+                if ref is not None:
+                    self._curriculum.count_midpoint_start(self._start_cell(ref))
             c = self._counters
-            c["episodes"] += 1
-            c["steps"] += length
-            c["last_new_cells"], c["last_improved"] = new, improved
-        return EpisodeRecord(tid, improved > 0, outcome, new, improved)
+            c["episodes"] += count
+            c["steps"] += int(offsets[-1])
+            if count:
+                c["last_new_cells"], c["last_improved"] = int(new[-1]), int(improved[-1])
+        return [
+            EpisodeRecord(first_tid + i, n > 0, o, int(k), n)
+            for i, (o, k, n) in enumerate(zip(resolved, new.tolist(), improved.tolist()))
+        ]
+
+    def _utilities_signs(self, outcomes: list[EpisodeOutcome]) -> list[np.ndarray | None]:
+        """Per utility, the (E,) sign of each episode's outcome, or None when all are 0."""
+        codes = np.fromiter(outcomes, dtype=np.int64, count=len(outcomes))
+        out: list[np.ndarray | None] = []
+        for table in self._sign_tables:
+            signs = table[codes]
+            out.append(signs if signs.any() else None)
+        return out
 
     def _start_cell(self, ref: TrajectorySliceReference) -> TrajectoryKey | None:
         """The cell a start reference points into (lock held)."""
@@ -418,6 +565,75 @@ class TrajectoryStore:
             )
             self._counters.update({k: v for k, v in counters.items() if k in self._counters})
             self._pending.clear()
+
+
+def _segment_cumsum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Cumulative sums of float64 ``values`` restarting at every offset, in place; each
+    segment bit-identical to ``np.cumsum(segment_rewards, dtype=np.float64)``."""
+    accumulate = np.add.accumulate
+    bounds = offsets.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if b > a:
+            segment = values[a:b]
+            accumulate(segment, out=segment)
+    return values
+
+
+def _check_step(step: Any, where: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ValueError(f"{where}: expected an int, got {step!r}")
+    return int(step)
+
+
+def _batch_steps(steps: Any, count: int) -> np.ndarray:
+    """(E,) int64 global steps from one int or one per episode."""
+    if isinstance(steps, (int, np.integer)) and not isinstance(steps, bool):
+        return np.full(count, int(steps), dtype=np.int64)
+    if isinstance(steps, np.ndarray) and steps.dtype.kind in "iu" and steps.ndim == 1:
+        values = steps.astype(np.int64)
+    elif isinstance(steps, Sequence) and not isinstance(steps, str):
+        if count == 1 and len(steps) == 1:
+            return np.array([_check_step(steps[0], "step")], dtype=np.int64)
+        values = np.array(
+            [_check_step(s, f"steps[{i}]") for i, s in enumerate(steps)], dtype=np.int64
+        )
+    else:
+        raise ValueError(f"steps: expected an int or one int per episode, got {steps!r}")
+    if values.shape[0] != count:
+        raise ValueError(f"steps: expected {count} values (one per episode), got {len(values)}")
+    return values
+
+
+def _batch_outcomes(outcomes: Any, count: int) -> list[EpisodeOutcome]:
+    """One EpisodeOutcome per episode from one outcome (enum, code or name) or a sequence."""
+    if isinstance(outcomes, (EpisodeOutcome, int, str, np.integer)):
+        value = int(outcomes) if isinstance(outcomes, np.integer) else outcomes
+        return [EpisodeOutcome.coerce(value)] * count
+    if isinstance(outcomes, np.ndarray):
+        outcomes = outcomes.tolist()
+    if not isinstance(outcomes, Sequence):
+        raise ValueError(f"outcomes: expected an outcome or one per episode, got {outcomes!r}")
+    if len(outcomes) != count:
+        raise ValueError(
+            f"outcomes: expected {count} values (one per episode), got {len(outcomes)}"
+        )
+    coerce = EpisodeOutcome.coerce
+    return [o if type(o) is EpisodeOutcome else coerce(o) for o in outcomes]
+
+
+def _batch_references(refs: Any, count: int) -> list[TrajectorySliceReference | None]:
+    if refs is None:
+        return [None] * count
+    if not isinstance(refs, Sequence) or isinstance(refs, (str, TrajectorySliceReference)):
+        raise ValueError(f"start_references: expected None or one per episode, got {refs!r}")
+    if len(refs) != count:
+        raise ValueError(
+            f"start_references: expected {count} values (one per episode), got {len(refs)}"
+        )
+    for ref in refs:
+        if ref is not None and not isinstance(ref, TrajectorySliceReference):
+            raise ValueError(f"start_reference: expected a TrajectorySliceReference, got {ref!r}")
+    return list(refs)
 
 
 def _check_refcounts(archive: CellArchive, repository: TrajectoryRepository) -> None:

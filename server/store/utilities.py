@@ -36,23 +36,27 @@ class UtilityTable:
                 f"{list(self.names)}"
             ) from None
 
-    def apply_episode(
+    def apply_batch(
         self,
         cell_ids: np.ndarray,
-        inverse: np.ndarray,
-        outcome: EpisodeOutcome,
+        pair_ep: np.ndarray,
+        pair_cell: np.ndarray,
+        pair_sums: list[np.ndarray | None],
+        signs: list[np.ndarray | None],
         num_cells: int,
     ) -> None:
-        """Add one episode's discounted outcome to the sums of its cells."""
+        """Add each (episode, cell) pair's discounted outcome (``pair_sums[u]``: the pair's
+        sum of ``gamma**k``, times the episode's sign) to its cell's sum. Pairs come in episode
+        order and are added one after the other, exactly as one episode at a time would."""
         self._grow(num_cells)
-        length = inverse.shape[0]
-        k = np.arange(length - 1, -1, -1, dtype=np.float64)
-        for u, config in enumerate(self.configs):
-            sign = config.sign(outcome)
-            if sign == 0.0:
+        for u, (sums, sign) in enumerate(zip(pair_sums, signs, strict=True)):
+            if sums is None or sign is None:
                 continue
-            contrib = sign * np.power(config.gamma, k)
-            self.sums[u, cell_ids] += np.bincount(inverse, weights=contrib, minlength=cell_ids.size)
+            s = sign[pair_ep]
+            nonzero = s != 0.0
+            # "+ 0.0" turns a -0.0 (sign -1 times an all-zero sum) into the 0.0 that summing
+            # the per-step products from 0.0 gives.
+            np.add.at(self.sums[u], cell_ids[pair_cell[nonzero]], sums[nonzero] * s[nonzero] + 0.0)
 
     def state_arrays(self, num_cells: int) -> dict[str, np.ndarray]:
         return {

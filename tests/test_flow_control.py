@@ -1,0 +1,140 @@
+"""Flow control: record() never waits on the network while there is room in flight;
+the in-flight cap holds against a stalled server (a real SIGSTOP); drop mode counts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import wait_for
+from recorder_client import RolloutRecorder
+
+T, N = 16, 64
+
+
+def numbered_chunk(i: int) -> dict:
+    """A chunk whose every action is its sequence number: order is visible in the result."""
+    done = np.zeros((T, N), bool)
+    done[-1, :] = i % 3 == 2
+    return {
+        "action": np.full((T, N), i, np.int64),
+        "reward": np.full((T, N), i, np.float32),
+        "done": done,
+    }
+
+
+CHUNK_BYTES = T * N * (8 + 4 + 1)
+
+
+def run_with_timeout(fn, timeout: float):
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("result", fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return thread, box
+
+
+@pytest.fixture
+def stopped(server_process):
+    """The server process, frozen with SIGSTOP for the duration of a block."""
+
+    class Freezer:
+        def __enter__(self):
+            os.kill(server_process.process.pid, signal.SIGSTOP)
+
+        def __exit__(self, *exc):
+            os.kill(server_process.process.pid, signal.SIGCONT)
+
+    yield server_process, Freezer()
+    os.kill(server_process.process.pid, signal.SIGCONT)
+
+
+def test_record_returns_while_the_server_is_stalled(stopped):
+    server, freeze = stopped
+    with RolloutRecorder(target=server.address, session="nb", reconnect_timeout=60) as rec:
+        with freeze:
+            thread, box = run_with_timeout(
+                lambda: [rec.record(numbered_chunk(i)) for i in range(20)], timeout=10
+            )
+            assert not thread.is_alive(), "record() waited on a stalled server with room in flight"
+            assert box["result"] == [True] * 20
+            assert rec.bytes_in_flight == 20 * CHUNK_BYTES
+        rec.flush(timeout=30)
+        out = rec.finish()
+    assert rec.bytes_in_flight == 0
+    assert sorted(set(out.actions[out.mask()].tolist())) == list(range(20))
+
+
+def test_in_flight_cap_holds_and_blocks_until_the_server_resumes(stopped):
+    server, freeze = stopped
+    cap = 4 * CHUNK_BYTES
+    with RolloutRecorder(
+        target=server.address, session="cap", max_bytes_in_flight=cap, reconnect_timeout=60
+    ) as rec:
+        seen = []
+        with freeze:
+            thread, _ = run_with_timeout(
+                lambda: [rec.record(numbered_chunk(i)) for i in range(12)], timeout=3
+            )
+            assert thread.is_alive(), "record() went past the in-flight cap"
+            for _ in range(10):
+                seen.append(rec.bytes_in_flight)
+                assert rec.bytes_in_flight <= cap
+                thread.join(0.05)
+            assert thread.is_alive()
+        thread.join(30)
+        assert not thread.is_alive()
+        rec.flush(timeout=30)
+        out = rec.finish()
+    assert max(seen) == cap
+    # Every chunk arrived, in order, exactly once.
+    per_env0 = out.actions[out.episode_env == 0]
+    firsts = [int(row[0]) for row in per_env0]
+    assert firsts == sorted(firsts) and firsts[0] == 0
+    assert rec.dropped_chunks == 0
+    assert sorted(set(out.actions[out.mask()].tolist())) == list(range(12))
+
+
+def test_drop_mode_counts_what_it_dropped(stopped):
+    server, freeze = stopped
+    cap = 3 * CHUNK_BYTES
+    with RolloutRecorder(
+        target=server.address,
+        session="drop",
+        max_bytes_in_flight=cap,
+        on_backpressure="drop",
+        reconnect_timeout=60,
+    ) as rec:
+        with freeze:
+            kept = [rec.record(numbered_chunk(i)) for i in range(10)]
+        assert kept == [True] * 3 + [False] * 7
+        assert rec.dropped_chunks == 7
+        rec.flush(timeout=30)  # room again once the server answers
+        assert all(rec.record(numbered_chunk(i)) for i in range(10, 12))
+        out = rec.finish()
+    assert sorted(set(out.actions[out.mask()].tolist())) == [0, 1, 2, 10, 11]
+
+
+def test_no_reordering_within_a_worker_under_backpressure(server_process):
+    rng = np.random.default_rng(0)
+    with RolloutRecorder(
+        target=server_process.address, session="order", max_bytes_in_flight=2 * CHUNK_BYTES
+    ) as rec:
+        lengths = rng.integers(1, 2 * T, 60)
+        expected = []
+        for i, length in enumerate(lengths):
+            chunk = {
+                "action": np.full((length, 2), i, np.int32),
+                "reward": np.zeros((length, 2), np.float32),
+                "done": np.zeros((length, 2), bool),
+            }
+            rec.record(chunk)
+            expected += [i] * int(length)
+        out = rec.finish()
+    # No done flag: one episode per env, the whole time axis in record order.
+    assert out.actions[0].tolist() == expected
+    assert wait_for(lambda: rec.bytes_in_flight == 0, timeout=1)
