@@ -9,8 +9,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import wait_for
+
 from recorder_client import RolloutRecorder
 
 T, N = 16, 64
