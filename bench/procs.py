@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,6 +46,77 @@ def proc_cpu_s(pid: int) -> float:
         return 0.0
     # After the ")": state is field 3 of stat(5); utime and stime are fields 14, 15.
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def machine_cpu_s() -> dict[str, float]:
+    """Machine-wide CPU seconds so far (all processes, all cores) from /proc/stat."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()
+    except OSError:
+        return {}
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in first[1:9])
+    return {
+        "busy_s": (user + nice + system + irq + softirq) / _CLK_TCK,
+        "steal_s": steal / _CLK_TCK,
+        "idle_s": (idle + iowait) / _CLK_TCK,
+    }
+
+
+def tree_cpu_s(root: int | None = None) -> dict[int, float]:
+    """CPU seconds of `root` (default: this process) and every descendant, by pid.
+
+    Every benchmark process (servers, workers, Ray's raylet and actors, py-spy)
+    descends from bench/run.py; anything else on a shared machine does not.
+    """
+    root = os.getpid() if root is None else root
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    out: dict[int, float] = {}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        if pid in cpu:
+            out[pid] = cpu[pid]
+        stack.extend(children.get(pid, ()))
+    return out
+
+
+def machine_snapshot() -> dict[str, Any]:
+    return {**machine_cpu_s(), "tree": tree_cpu_s()}
+
+
+def machine_window(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict:
+    """Busy cores over a window: the whole machine (every process, ours or not) and ours.
+
+    "Ours" is every process under bench/run.py; the difference is other jobs on
+    a shared machine (or kernel work not charged to a process).
+    """
+    if not before or not after or wall_s <= 0:
+        return {}
+    out = {
+        "busy_cores": (after["busy_s"] - before["busy_s"]) / wall_s,
+        "steal_cores": (after["steal_s"] - before["steal_s"]) / wall_s,
+        "window_s": wall_s,
+    }
+    if "tree" in before and "tree" in after:
+        t0, t1 = before["tree"], after["tree"]
+        ours = sum(cpu - t0.get(pid, 0.0) for pid, cpu in t1.items())
+        out["ours_cpu_s"] = ours
+        out["ours_busy_cores"] = ours / wall_s
+    return out
 
 
 class Child:
@@ -147,7 +219,13 @@ def serve_argv() -> list[str]:
 class RecorderServer(Child):
     """`rollout-recorder serve --listen 127.0.0.1:0` plus any extra flags."""
 
-    def __init__(self, data_dir: Path, extra_args: list[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        extra_args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = [
             *serve_argv(),
@@ -158,7 +236,7 @@ class RecorderServer(Child):
             str(data_dir),
             *extra_args,
         ]
-        super().__init__(argv, log_path=log_path)
+        super().__init__(argv, log_path=log_path, env={**os.environ, **env} if env else None)
         line = self.read_line(60, prefix="rollout-recorder listening on ")
         self.address = line.rsplit(" ", 1)[1].strip()
         self.extra_args = list(extra_args)
@@ -175,6 +253,7 @@ class RawGrpcServer(Child):
 
 
 def start_workers(specs: list[dict[str, Any]], log_dir: Path) -> list[Child]:
+    log_dir.mkdir(parents=True, exist_ok=True)
     workers = []
     for i, spec in enumerate(specs):
         argv = [sys.executable, str(BENCH_DIR / "worker.py"), json.dumps(spec)]
@@ -183,24 +262,34 @@ def start_workers(specs: list[dict[str, Any]], log_dir: Path) -> list[Child]:
 
 
 def run_workers(
-    specs: list[dict[str, Any]], log_dir: Path, *, timeout: float = 300.0
-) -> tuple[list[dict[str, Any]], int]:
+    specs: list[dict[str, Any]],
+    log_dir: Path,
+    *,
+    timeout: float = 300.0,
+    on_ready: Callable[[list[Child]], None] | None = None,
+) -> tuple[list[dict[str, Any]], int, dict[str, float]]:
     """Start workers, wait until each is ready, release them together, collect results.
 
-    Returns each worker's result and the perf_counter_ns at which "go" was sent
-    (CLOCK_MONOTONIC: comparable with the workers' own timestamps on Linux).
+    Returns each worker's result, the perf_counter_ns at which "go" was sent
+    (CLOCK_MONOTONIC: comparable with the workers' own timestamps on Linux), and
+    the machine-wide CPU use from "go" until the last result arrived.
     """
     workers = start_workers(specs, log_dir)
     try:
         for w in workers:
             w.read_json("ready", timeout)
+        if on_ready is not None:
+            on_ready(workers)
+        cpu0 = machine_snapshot()
         go_ns = time.perf_counter_ns()
         for w in workers:
             w.send("go")
         results = [w.read_json("result", timeout) for w in workers]
+        window = (time.perf_counter_ns() - go_ns) / 1e9
+        machine = machine_window(cpu0, machine_snapshot(), window)
         for w in workers:
             w.proc.wait(60)
-        return results, go_ns
+        return results, go_ns, machine
     finally:
         for w in workers:
             w.stop()

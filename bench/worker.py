@@ -32,6 +32,14 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def maxrss_bytes() -> int:
+    """Peak RSS of this process image: VmHWM (ru_maxrss is inherited from the parent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -102,6 +110,9 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
         "maxrss": maxrss_bytes(),
     }
     rec.close()
+    import recorder_client
+
+    out["recorder_client"] = recorder_client.__file__
     return out
 
 

@@ -55,7 +55,7 @@ def _episode_from_proto(msg: pb.EpisodeArrays) -> Episode:
     )
 
 
-def _file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
+def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
     view = memoryview(data)
     yield pb.FilePart(
         session=session,
@@ -68,7 +68,7 @@ def _file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
         yield pb.FilePart(data=bytes(view[offset : offset + _PART_BYTES]))
 
 
-def _join_parts(parts: Iterator[pb.FilePart]) -> CheckpointFile | None:
+def join_parts(parts: Iterator[pb.FilePart]) -> CheckpointFile | None:
     first = next(iter(parts), None)
     if first is None or first.empty:
         return None
@@ -162,7 +162,7 @@ class RemoteCapture:
             session=rec.session, compress=bool(compress), checkpoint_step=int(checkpoint_step)
         )
         try:
-            return _join_parts(rec._stub.GetStoreCheckpoint(request, timeout=rec._rpc_timeout))
+            return join_parts(rec._stub.GetStoreCheckpoint(request, timeout=rec._rpc_timeout))
         except grpc.RpcError as err:
             raise from_rpc_error(err, rec.target) from None
 
@@ -182,7 +182,7 @@ class RemoteCapture:
         rec.flush()
         try:
             rec._stub.LoadStoreCheckpoint(
-                _file_parts(rec.session, name, data), timeout=rec._rpc_timeout
+                file_parts(rec.session, name, data), timeout=rec._rpc_timeout
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err, rec.target) from None

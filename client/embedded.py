@@ -37,6 +37,8 @@ class EmbeddedServer:
             "--data-dir",
             os.path.join(self._dir, "data"),
             "--exit-with-stdin",
+            # Its data directory is deleted on close: a log would only cost time.
+            "--no-wal",
             "--grace",
             "1",
         ]

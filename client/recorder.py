@@ -19,7 +19,7 @@ import numpy as np
 from . import codec
 from ._proto import recorder_pb2 as pb
 from ._proto import recorder_pb2_grpc as pb_grpc
-from .capture import RemoteCapture
+from .capture import RemoteCapture, file_parts, join_parts
 from .capture_types import TrajectoryTrainingConfiguration
 from .credentials import PemSource, make_channel
 from .embedded import EmbeddedServer
@@ -91,7 +91,9 @@ class RolloutRecorder:
                 f"max_episodes: expected None or a non-negative integer, got {max_episodes!r}"
             )
         if on_backpressure not in ("block", "drop"):
-            raise ValueError(f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}")
+            raise ValueError(
+                f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}"
+            )
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
         self.max_episodes = None if max_episodes is None else int(max_episodes)
@@ -353,6 +355,42 @@ class RolloutRecorder:
             return _assemble(parts)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.target) from None
+
+    def runtime_state(self) -> bytes:
+        """The session's whole state (configuration, workers, sequence numbers, chunks,
+        open episodes, counters, store) as bytes to keep in the trainer's own checkpoint."""
+        self.flush()
+        try:
+            parts = self._stub.GetRuntimeState(
+                pb.RuntimeStateRequest(session=self.session), timeout=self._rpc_timeout
+            )
+            file = join_parts(parts)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+        assert file is not None and file.data is not None
+        return file.data
+
+    def load_runtime_state(self, state: bytes) -> None:
+        """Replace the session's state with one from runtime_state() (same session name).
+
+        Load before workers stream into the session; the server checkpoints it at once.
+        """
+        self.flush()
+        try:
+            self._stub.LoadRuntimeState(
+                file_parts(self.session, f"{self.session}.state", bytes(state)),
+                timeout=self._rpc_timeout,
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+        # This worker's place and sequence come from the loaded state now.
+        self._sequence = self._join()
+        self._sender.is_full = bool(self.status().is_full)
+
+    def checkpoint(self) -> str:
+        """Ask the server to checkpoint every session now; returns the file's path."""
+        self.flush()
+        return self._unary(self._stub.Checkpoint, pb.CheckpointRequest()).path
 
     def reset(self) -> None:
         """Drop every stored chunk of the session; the configuration stays."""

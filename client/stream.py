@@ -112,6 +112,8 @@ class ChunkSender:
         self.stats = SenderStats()
         self.is_full = False
         self.num_recorded_steps = 0
+        # The server's refusal while it has no space; cleared by the next ack.
+        self._exhausted: RecorderError | None = None
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
@@ -136,10 +138,19 @@ class ChunkSender:
         return True
 
     def flush(self, timeout: float | None = None) -> None:
+        """Wait for every ack. While the server is out of space this raises its
+        ResourceExhaustedError instead of waiting; the chunks stay queued and are
+        retried in the background until the server takes them."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._to_send or self._unacked:
                 self._raise_fatal()
+                if self._exhausted is not None:
+                    self.stats.errors = [e for e in self.stats.errors if e is not self._exhausted]
+                    raise self._exhausted
+                if self.stats.errors:  # a refusal is reported now, not after the rest
+                    errors, self.stats.errors = self.stats.errors, []
+                    raise errors[0]
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(
@@ -208,10 +219,20 @@ class ChunkSender:
                 err: grpc.RpcError | None = None
             except grpc.RpcError as exc:
                 err = exc
-            if err is not None and err.code() not in _RETRYABLE:
+            exhausted = err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if exhausted:
+                # The server could not log the chunk (its disk is full). Tell the
+                # caller once, keep every unacknowledged chunk, and keep retrying.
+                error = from_rpc_error(err, self._target)
+                with self._cond:
+                    if self._exhausted is None:
+                        self.stats.errors.append(error)
+                    self._exhausted = error
+                    self._cond.notify_all()
+            elif err is not None and err.code() not in _RETRYABLE:
                 self._fail(from_rpc_error(err, self._target))
                 return
-            if not self._reconnect(err):
+            if not self._reconnect(err, patient=exhausted):
                 return
             stub = self._stub_factory()
 
@@ -221,6 +242,7 @@ class ChunkSender:
             if item is None:
                 return
             self._in_flight -= item.raw_bytes
+            self._exhausted = None
             self.stats.chunks_acked += 1
             if ack.result == pb.RecordAck.REJECTED:
                 self.stats.errors.append(
@@ -235,21 +257,35 @@ class ChunkSender:
             self.num_recorded_steps = ack.num_recorded_steps
             self._cond.notify_all()
 
-    def _reconnect(self, err: grpc.RpcError | None) -> bool:
-        """Rejoin with backoff, forget what the server already has, requeue the rest."""
+    def _reconnect(self, err: grpc.RpcError | None, *, patient: bool = False) -> bool:
+        """Rejoin with backoff, forget what the server already has, requeue the rest.
+
+        `patient`: the server is up but out of space; wait for it without a deadline.
+        """
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
+        if patient:
+            time.sleep(0.5)
         delay = 0.05
         deadline = time.monotonic() + self._reconnect_timeout
         reason = err.details() if err is not None else "stream ended"
         while True:
             with self._cond:
-                if self._closing and not self._to_send and not self._unacked:
+                if self._closing:
+                    left = len(self._to_send) + len(self._unacked)
+                    if left:
+                        logger.warning(
+                            "closing with %d chunks the server at %s never acknowledged",
+                            left,
+                            self._target,
+                        )
                     return False
             try:
                 last = self._join()
                 break
+            except ValueError:  # the channel was closed under us: we are shutting down
+                return False
             except RecorderUnavailableError as exc:
                 if time.monotonic() + delay > deadline:
                     self._fail(

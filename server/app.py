@@ -12,6 +12,7 @@ import grpc
 
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
+from .durability import Durability, DurabilityOptions, RecoveryReport
 from .metrics import MetricsConfig, MetricsTracker
 from .security import (
     RECORDER_SERVICE_NAME,
@@ -51,6 +52,8 @@ class ServerOptions:
     tls_key: str | None = None
     # PEM CA that client certificates must chain to (mutual TLS; needs tls_cert).
     tls_client_ca: str | None = None
+    # Write-ahead log, checkpoints and recovery in data_dir.
+    durability: DurabilityOptions = field(default_factory=DurabilityOptions)
 
 
 @dataclass
@@ -61,12 +64,24 @@ class RunningServer:
     metrics_address: str | None = None
     # The grpc.health.v1 servicer (None without grpcio-health-checking).
     health: Any = None
+    durability: Durability | None = None
+    recovery: RecoveryReport | None = None
 
-    def stop(self, grace: float | None = 5.0) -> None:
+    def stop(self, grace: float | None = 5.0, *, checkpoint: bool = True) -> None:
+        """Drain, write a last checkpoint, and release everything."""
         set_serving(self.health, False)  # draining: health answers NOT_SERVING
         self.server.stop(grace).wait()
-        self.service.close()
-        self.service.metrics.close()
+        try:
+            if self.durability is not None:
+                if checkpoint:
+                    try:
+                        self.durability.checkpoint(self.service)
+                    except OSError as exc:
+                        logger.error("final checkpoint failed (the log still has it): %s", exc)
+                self.durability.close()
+        finally:
+            self.service.close()
+            self.service.metrics.close()
 
 
 def bound_address(listen: str, port: int) -> str:
@@ -94,7 +109,10 @@ def start_server(options: ServerOptions) -> RunningServer:
         host, _, port = options.metrics_listen.rpartition(":")
         bound_host, bound_port = metrics.start_http(host or "127.0.0.1", int(port))
         metrics_address = f"{bound_host}:{bound_port}"
-    service = RecorderService(options.limits, metrics)
+    durability = None
+    if options.durability.enabled:
+        durability = Durability(options.data_dir, options.durability)
+    service = RecorderService(options.limits, metrics, durability)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="recorder"),
         options=[
@@ -116,8 +134,15 @@ def start_server(options: ServerOptions) -> RunningServer:
         raise OSError(f"cannot listen on {options.listen!r}: {exc}") from None
     if port == 0 and not options.listen.startswith("unix:"):
         raise OSError(f"cannot listen on {options.listen!r}")
+    recovery = None
+    if durability is not None:
+        # Bound but not serving yet: calls wait until the recovered state is in place.
+        recovery = durability.recover(service)
+        for line in recovery.lines():
+            logger.warning("recovery: %s", line)
+        durability.start_timer(service)
     server.start()
     set_serving(health, True)
     address = bound_address(options.listen, port)
     logger.info("listening on %s", address)
-    return RunningServer(server, service, address, metrics_address, health)
+    return RunningServer(server, service, address, metrics_address, health, durability, recovery)

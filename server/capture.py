@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +25,13 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
 )
 
-from .store import EpisodeArrays, TrajectoryStore, decode_checkpoint_state, encode_checkpoint_state
+from .store import (
+    EpisodeArrays,
+    EpisodeBatch,
+    TrajectoryStore,
+    decode_checkpoint_state,
+    encode_checkpoint_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,28 +103,153 @@ class TrajectoryCaptureProcessor:
 
         ``episode_data`` is accepted for API compatibility and not interpreted. An UNKNOWN
         outcome goes through the configured OutcomeRule. Invalid input raises ValueError before
-        any counter moves.
+        any counter moves. (A batch of one: see :meth:`record_episodes`.)
         """
-        episode = EpisodeArrays.coerce(trajectory_file)
         if episode_data is not None and not isinstance(episode_data, Mapping):
             raise ValueError(f"episode_data: expected a mapping, got {type(episode_data)}")
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise ValueError(f"step: expected an int, got {step!r}")
-        resolved = EpisodeOutcome.coerce(outcome)
-        if self._store is not None:
-            resolved = self._store.record_episode(
-                episode, step=int(step), outcome=resolved, start_reference=start_reference
-            ).outcome
-        elif self._configuration is not None:
-            episode_return = float(np.sum(episode.rewards, dtype=np.float64))
-            resolved = self._configuration.outcome_rule.resolve(resolved, episode_return)
+        self.record_episodes(
+            [trajectory_file],
+            None,
+            step,
+            outcomes=[outcome],
+            start_references=None if start_reference is None else [start_reference],
+        )
+
+    def record_episodes(
+        self,
+        trajectory_files: Sequence[EpisodeArrays | Mapping[str, Any]] | EpisodeBatch,
+        episode_data: Sequence[Mapping[str, float] | None] | None,
+        step: int | Sequence[int],
+        *,
+        outcomes: Sequence[EpisodeOutcome | int | str] | np.ndarray | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+    ) -> None:
+        """Record several finished episodes: the batch twin of :meth:`record_episode`, with
+        store contents and counters identical to calling it for each episode in order.
+
+        ``trajectory_files`` is a sequence of episodes or an EpisodeBatch (concatenated
+        arrays, the cheapest form). ``episode_data`` is None or one mapping (or None) per
+        episode, not interpreted. ``step`` and ``outcomes`` give one value for all episodes or
+        one per episode (outcomes may be an int array of codes); ``start_references`` is None
+        or one (optional) reference per episode. The whole batch is validated before anything
+        is recorded or counted (ValueError). Without a store only the counters move, with O(1)
+        work per episode.
+        """
+        is_batch = isinstance(trajectory_files, EpisodeBatch)
+        if not is_batch and (
+            isinstance(trajectory_files, (EpisodeArrays, Mapping))
+            or not isinstance(trajectory_files, Sequence)
+        ):
+            raise ValueError(
+                "trajectory_files: expected a sequence of episodes or an EpisodeBatch, got "
+                f"{type(trajectory_files).__name__}"
+            )
+        count = len(trajectory_files)
+        if episode_data is not None:
+            if isinstance(episode_data, Mapping) or not isinstance(episode_data, Sequence):
+                raise ValueError(
+                    f"episode_data: expected None or one mapping per episode, got "
+                    f"{type(episode_data).__name__}"
+                )
+            if len(episode_data) != count:
+                raise ValueError(
+                    f"episode_data: expected {count} entries (one per episode), got "
+                    f"{len(episode_data)}"
+                )
+            for d in episode_data:
+                if d is not None and not isinstance(d, Mapping):
+                    raise ValueError(f"episode_data: expected a mapping, got {type(d)}")
+        midpoints = 0
+        if start_references is not None:
+            if not isinstance(start_references, Sequence) or len(start_references) != count:
+                raise ValueError(
+                    f"start_references: expected None or {count} entries (one per episode)"
+                )
+            midpoints = sum(r is not None for r in start_references)
+        if is_batch:
+            episodes = trajectory_files
+            total_steps = int(episodes.offsets[-1])
+        else:
+            episodes = [
+                e if isinstance(e, EpisodeArrays) else EpisodeArrays.coerce(e)
+                for e in trajectory_files
+            ]
+            total_steps = sum(e.rewards.shape[0] for e in episodes)
+        if self._store is None:
+            outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
+        else:
+            if is_batch:
+                records = self._store.record_episode_batch(
+                    episodes, steps=step, outcomes=outcomes, start_references=start_references
+                )
+            elif count == 1:
+                records = [
+                    self._store.record_episode(
+                        episodes[0],
+                        step=_only(step, "step"),
+                        outcome=_only(outcomes, "outcomes"),
+                        start_reference=None if start_references is None else start_references[0],
+                    )
+                ]
+            else:
+                records = self._store.record_episodes(
+                    episodes, steps=step, outcomes=outcomes, start_references=start_references
+                )
+            outcome_codes = np.fromiter((r.outcome for r in records), np.int64, count=count)
+        per_outcome = np.bincount(outcome_codes, minlength=len(EpisodeOutcome)).tolist()
         with self._lock:
             c = self._counters
-            c["episodes_captured"] += 1
-            c["steps_captured"] += episode.length
-            c[f"outcome_{resolved.name.lower()}"] += 1
-            if start_reference is not None:
-                c["midpoint_start_episodes"] += 1
+            c["episodes_captured"] += count
+            c["steps_captured"] += total_steps
+            for o, n in zip(EpisodeOutcome, per_outcome, strict=True):
+                if n:
+                    c[f"outcome_{o.name.lower()}"] += n
+            c["midpoint_start_episodes"] += midpoints
+
+    def _resolve_without_store(
+        self, episodes: Any, is_batch: bool, step: Any, outcomes: Any
+    ) -> np.ndarray:
+        """Without a store: validate the steps and outcomes as the store would and return the
+        (E,) int64 outcome codes after the configured rule (numpy work for an int array of
+        codes, a few Python operations per episode otherwise)."""
+        count = len(episodes)
+        if isinstance(step, np.ndarray) and step.dtype.kind in "iu" and step.shape == (count,):
+            pass
+        elif isinstance(step, Sequence) and not isinstance(step, str):
+            if len(step) != count:
+                raise ValueError(f"step: expected an int or {count} ints (one per episode)")
+            for one in step:
+                _check_int_step(one)
+        else:
+            _check_int_step(step)
+        if isinstance(outcomes, np.ndarray) and outcomes.dtype.kind in "iu":
+            codes = outcomes.astype(np.int64).reshape(-1)
+            if codes.shape[0] != count:
+                raise ValueError(f"outcomes: expected {count} codes, got {codes.shape[0]}")
+            bad = (codes < 0) | (codes >= len(EpisodeOutcome))
+            if bad.any():
+                EpisodeOutcome.coerce(int(codes[bad][0]))  # raises with the usual message
+        elif isinstance(outcomes, (EpisodeOutcome, int, str, np.integer)):
+            one = EpisodeOutcome.coerce(
+                int(outcomes) if isinstance(outcomes, np.integer) else outcomes
+            )
+            codes = np.full(count, int(one), dtype=np.int64)
+        elif isinstance(outcomes, Sequence) and len(outcomes) == count:
+            codes = np.fromiter(
+                (EpisodeOutcome.coerce(o) for o in outcomes), dtype=np.int64, count=count
+            )
+        else:
+            raise ValueError(f"outcomes: expected an outcome or {count} (one per episode)")
+        rule = None if self._configuration is None else self._configuration.outcome_rule
+        if rule is not None and rule.kind != "none":
+            for i in np.flatnonzero(codes == EpisodeOutcome.UNKNOWN).tolist():
+                if is_batch:
+                    rewards = episodes.rewards[episodes.offsets[i] : episodes.offsets[i + 1]]
+                else:
+                    rewards = episodes[i].rewards
+                episode_return = float(np.sum(rewards, dtype=np.float64))
+                codes[i] = rule.resolve(EpisodeOutcome.UNKNOWN, episode_return)
+        return codes
 
     def sample_start(self) -> tuple[TrajectorySliceReference, EpisodeArrays] | None:
         """A curriculum start (reference + prefix); None without a store or cells."""
@@ -211,6 +342,20 @@ class TrajectoryCaptureProcessor:
         if isinstance(state, (bytes, bytearray, memoryview)):
             state = decode_checkpoint_state(state)
         self._store.load_checkpoint_state(state)
+
+
+def _check_int_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ValueError(f"step: expected an int, got {step!r}")
+
+
+def _only(value: Any, name: str) -> Any:
+    """The value for a batch of one: itself, or the only entry of a sequence / array."""
+    if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
+        if len(value) != 1:
+            raise ValueError(f"{name}: expected 1 value (one per episode), got {len(value)}")
+        value = value[0]
+    return int(value) if isinstance(value, np.integer) else value
 
 
 def _read(path: str | None) -> bytes:

@@ -11,6 +11,7 @@ import threading
 
 from . import health_cli
 from .app import DEFAULT_LISTEN, ServerOptions, start_server
+from .durability import DurabilityOptions
 from .metrics import MetricsConfig, WriteGate
 from .service import ServiceLimits
 
@@ -50,6 +51,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             jsonl_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
         ),
         metrics_listen=args.metrics_listen,
+        durability=DurabilityOptions(
+            enabled=not args.no_wal,
+            fsync=args.wal_fsync,
+            batch_window_s=args.wal_batch_ms / 1000,
+            checkpoint_every_s=args.checkpoint_every,
+            keep=args.keep_checkpoints,
+        ),
     )
     try:
         running = start_server(options)
@@ -92,6 +100,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on stop")
     serve.add_argument(
         "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"
+    )
+    durable = serve.add_argument_group("durability")
+    durable.add_argument(
+        "--wal-fsync",
+        choices=("always", "batch", "never"),
+        default="batch",
+        help="always: fsync before every ack; batch (default): fsync every --wal-batch-ms, "
+        "a power failure can lose that window, a process kill loses nothing; never: OS decides",
+    )
+    durable.add_argument("--wal-batch-ms", type=float, default=50.0, help="default %(default)s")
+    durable.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="timed checkpoints (0: only on demand and at shutdown); default %(default)s",
+    )
+    durable.add_argument("--keep-checkpoints", type=int, default=3, help="default %(default)s")
+    durable.add_argument(
+        "--no-wal",
+        action="store_true",
+        help="no log and no checkpoints: a crash loses everything (throwaway servers)",
     )
     metrics = serve.add_argument_group("metrics")
     metrics.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus endpoint")

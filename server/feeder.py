@@ -98,6 +98,38 @@ class EpisodeFeeder:
         self._queue.put(None)
         self._thread.join(timeout=30)
 
+    def tails_state(self) -> dict[int, dict[str, np.ndarray]]:
+        """Open-episode sums per worker (call drained)."""
+        return {
+            index: {
+                "open_start": t.open_start,
+                "open_return": t.open_return,
+                "open_code": t.open_code,
+            }
+            for index, t in self._workers.items()
+        }
+
+    def restore_tails(self, state: dict[int, dict[str, np.ndarray]], timelines: list) -> None:
+        """Inverse of tails_state; the store path re-decodes the chunks open episodes need."""
+        self._workers.clear()
+        by_index = {tl.index: tl for tl in timelines}
+        for index, arrays in state.items():
+            tails = _WorkerTails(
+                int(arrays["open_start"].size),
+                arrays["open_start"].astype(np.int64),
+                arrays["open_return"].astype(np.float64),
+                arrays["open_code"].astype(np.int64),
+            )
+            timeline = by_index.get(index)
+            if self.keeps_arrays and timeline is not None and tails.open_start.size:
+                oldest = int(tails.open_start.min())
+                for chunk in timeline.chunks:
+                    if chunk.t0 + chunk.length > oldest:
+                        decoded = {k: a.decode() for k, a in chunk.arrays.items()}
+                        tails.chunks.append((chunk.t0, decoded))
+                        tails.held_bytes += sum(a.nbytes for a in decoded.values())
+            self._workers[index] = tails
+
     # -- the thread ----------------------------------------------------------
     def _run(self) -> None:
         while True:

@@ -17,6 +17,16 @@ from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
 
+from . import snapshot
+from .durability import (
+    KIND_CHUNK,
+    KIND_EPISODE,
+    KIND_JOIN,
+    KIND_RESET,
+    Durability,
+    decode_record,
+    encode_record,
+)
 from .episodes import NoEpisodesError
 from .metrics import MetricsTracker
 from .session import Session, SessionConfig, SessionError, check_session_name
@@ -40,13 +50,107 @@ class ServiceLimits:
 
 class RecorderService(pb_grpc.RecorderServicer):
     def __init__(
-        self, limits: ServiceLimits | None = None, metrics: MetricsTracker | None = None
+        self,
+        limits: ServiceLimits | None = None,
+        metrics: MetricsTracker | None = None,
+        durability: Durability | None = None,
     ) -> None:
         self.limits = limits or ServiceLimits()
         self.metrics = metrics or MetricsTracker()
+        self.durability = durability
         self._sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._started = time.monotonic()
+
+    def _journal(self, kind: bytes, session: str, worker: str, payload: bytes) -> None:
+        if self.durability is None:
+            return
+        try:
+            self.durability.journal(encode_record(kind, session, worker, payload))
+        except OSError as exc:
+            raise SessionError(
+                "RESOURCE_EXHAUSTED",
+                f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
+                kind="disk_full",
+            ) from None
+
+    def _new_session(self, name: str, config: SessionConfig) -> Session:
+        session = Session(
+            name, config, self.metrics, max_workers=self.limits.max_workers_per_session
+        )
+        if self.durability is not None:
+            session.journal = self.durability.journal
+        return session
+
+    # -- durability --------------------------------------------------------
+    def join(self, name: str, config_msg: pb.SessionConfig, worker_id: str, *, log: bool = True):
+        """Create the session on first use and add the worker; logged before it counts."""
+        name = check_session_name(name)
+        config = SessionConfig.from_proto(config_msg)
+        with self._lock:
+            session = self._sessions.get(name)
+            if session is None:
+                if len(self._sessions) >= self.limits.max_sessions:
+                    raise SessionError(
+                        "RESOURCE_EXHAUSTED",
+                        f"session: this server allows at most {self.limits.max_sessions} "
+                        f"sessions, got a new one ({name!r})",
+                    )
+                new = self._new_session(name, config)
+                new.check_join(worker_id, config)
+                if log:
+                    self._journal(KIND_JOIN, name, worker_id, config_msg.SerializeToString())
+                self._sessions[name] = session = new
+                logger.info("session %r created: %s", name, config)
+                session.join(worker_id, config)
+                return session
+            if worker_id not in session.workers:
+                session.check_join(worker_id, config)
+                if log:
+                    self._journal(KIND_JOIN, name, worker_id, config_msg.SerializeToString())
+            session.join(worker_id, config)
+            return session
+
+    def restore_session(self, meta: dict, blobs: list) -> Session:
+        config = SessionConfig.from_proto(snapshot.session_config(meta, blobs))
+        session = self._new_session(meta["name"], config)
+        snapshot.restore_session(session, meta, blobs)
+        with self._lock:
+            old = self._sessions.get(session.name)
+            self._sessions[session.name] = session
+        if old is not None:
+            old.close()
+        return session
+
+    def apply_record(self, record: bytes) -> None:
+        """Replay one write-ahead log record."""
+        kind, name, worker, payload = decode_record(record)
+        try:
+            if kind == KIND_JOIN:
+                self.join(name, pb.SessionConfig.FromString(payload), worker, log=False)
+            elif kind == KIND_CHUNK:
+                chunk = pb.Chunk.FromString(payload)
+                self.session(name).apply(worker, chunk, self.limits.max_array_bytes, log=False)
+            elif kind == KIND_RESET:
+                self.session(name).reset()
+            elif kind == KIND_EPISODE:
+                self._submit(pb.SubmitEpisodeRequest.FromString(payload), log=False)
+        except SessionError as err:
+            logger.warning("log record for session %r not replayed: %s", name, err)
+
+    def lock_all(self, stack) -> list[Session]:
+        """Hold every lock that guards a change (for a consistent checkpoint)."""
+        stack.enter_context(self._lock)
+        sessions = sorted(self._sessions.values(), key=lambda s: s.name)
+        for session in sessions:
+            stack.enter_context(session.lock)
+        for session in sessions:
+            session.feeder.drain()
+        return sessions
+
+    def drain_feeders(self) -> None:
+        for session in self.sessions():
+            session.feeder.drain()
 
     def close(self) -> None:
         for session in self.sessions():
@@ -76,23 +180,8 @@ class RecorderService(pb_grpc.RecorderServicer):
     # -- rpcs ------------------------------------------------------------
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
-            name = check_session_name(request.session)
-            config = SessionConfig.from_proto(request.config)
-            with self._lock:
-                session = self._sessions.get(name)
-                if session is None:
-                    if len(self._sessions) >= self.limits.max_sessions:
-                        raise SessionError(
-                            "RESOURCE_EXHAUSTED",
-                            f"session: this server allows at most {self.limits.max_sessions} "
-                            f"sessions, got a new one ({name!r})",
-                        )
-                    session = Session(
-                        name, config, self.metrics, max_workers=self.limits.max_workers_per_session
-                    )
-                    self._sessions[name] = session
-                    logger.info("session %r created: %s", name, config)
-            timeline = session.join(request.worker_id, config)
+            session = self.join(request.session, request.config, request.worker_id)
+            timeline = session.workers[request.worker_id]
             return pb.JoinReply(
                 worker_index=timeline.index,
                 last_sequence=session.last_sequence[request.worker_id],
@@ -136,6 +225,12 @@ class RecorderService(pb_grpc.RecorderServicer):
                 if err.code == "FAILED_PRECONDITION" and "sequence" in str(err):
                     # A gap: the client resends from the last sequence taken.
                     context.abort(grpc.StatusCode.ABORTED, str(err))
+                    return
+                if err.code == "RESOURCE_EXHAUSTED":
+                    # Nothing after this chunk can be taken either; the client keeps
+                    # them all and resends once the server answers again.
+                    self.metrics.inc("Recorder/chunks_refused_no_space", 1, session=session.name)
+                    self._abort(context, err)
                     return
                 ack.result = pb.RecordAck.REJECTED
                 ack.error_code = err.code
@@ -196,10 +291,12 @@ class RecorderService(pb_grpc.RecorderServicer):
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetReply:
         try:
             session = self.session(request.session)
+            with session.lock:
+                self._journal(KIND_RESET, session.name, "", b"")
+                session.reset()
         except SessionError as err:
             self._abort(context, err)
             raise
-        session.reset()
         logger.info("session %r reset", session.name)
         return pb.ResetReply(status=session.status())
 
@@ -241,20 +338,32 @@ class RecorderService(pb_grpc.RecorderServicer):
         self, request: pb.SubmitEpisodeRequest, context: grpc.ServicerContext
     ) -> pb.SubmitEpisodeReply:
         try:
-            session = self._store_session(request.session, context)
-            episode = episode_from_proto(request.episode, self.limits.max_array_bytes)
-            try:
-                outcome = EpisodeOutcome(request.outcome)
-            except ValueError:
-                raise SessionError(
-                    "INVALID_ARGUMENT",
-                    f"outcome: expected 0..{max(EpisodeOutcome)}, got {request.outcome}",
-                ) from None
-            reference = None
-            if request.HasField("start_reference"):
-                reference = TrajectorySliceReference(
-                    request.start_reference.trajectory_id, request.start_reference.step
-                )
+            return self._submit(request)
+        except SessionError as err:
+            self._abort(context, err)
+            raise
+
+    def _submit(
+        self, request: pb.SubmitEpisodeRequest, *, log: bool = True
+    ) -> pb.SubmitEpisodeReply:
+        session = self.session(request.session)
+        session.feeder.drain()
+        episode = episode_from_proto(request.episode, self.limits.max_array_bytes)
+        try:
+            outcome = EpisodeOutcome(request.outcome)
+        except ValueError:
+            raise SessionError(
+                "INVALID_ARGUMENT",
+                f"outcome: expected 0..{max(EpisodeOutcome)}, got {request.outcome}",
+            ) from None
+        reference = None
+        if request.HasField("start_reference"):
+            reference = TrajectorySliceReference(
+                request.start_reference.trajectory_id, request.start_reference.step
+            )
+        with session.lock:
+            if log:
+                self._journal(KIND_EPISODE, session.name, "", request.SerializeToString())
             try:
                 session.processor.record_episode(
                     episode,
@@ -265,12 +374,9 @@ class RecorderService(pb_grpc.RecorderServicer):
                 )
             except ValueError as exc:
                 raise SessionError("INVALID_ARGUMENT", f"episode: {exc}") from None
-            session.processor.log_metrics(int(request.step))
-            counters = session.processor.runtime_state_dict()["counters"]
-            return pb.SubmitEpisodeReply(episodes_captured=counters["episodes_captured"])
-        except SessionError as err:
-            self._abort(context, err)
-            raise
+        session.processor.log_metrics(int(request.step))
+        counters = session.processor.runtime_state_dict()["counters"]
+        return pb.SubmitEpisodeReply(episodes_captured=counters["episodes_captured"])
 
     def SampleStart(
         self, request: pb.SampleStartRequest, context: grpc.ServicerContext
@@ -349,10 +455,76 @@ class RecorderService(pb_grpc.RecorderServicer):
                 session.processor.load_trajectory_store_checkpoint_data(payload)
             except (CheckpointError, ValueError) as exc:
                 raise SessionError("INVALID_ARGUMENT", f"store checkpoint: {exc}") from None
+            self._checkpoint_after_load()
             return pb.LoadReply(status=session.status())
         except SessionError as err:
             self._abort(context, err)
             raise
+
+    def _checkpoint_after_load(self) -> None:
+        # Loaded state is not in the log: a checkpoint makes it durable before the reply.
+        if self.durability is not None:
+            try:
+                self.durability.checkpoint(self)
+            except OSError as exc:
+                raise SessionError(
+                    "RESOURCE_EXHAUSTED", f"data directory: checkpoint failed ({exc})"
+                ) from None
+
+    # -- runtime state and checkpoints -----------------------------------
+    def GetRuntimeState(
+        self, request: pb.RuntimeStateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.FilePart]:
+        try:
+            session = self.session(request.session)
+        except SessionError as err:
+            self._abort(context, err)
+            return
+        with session.lock:
+            session.feeder.drain()
+            meta, blobs = snapshot.session_state(session)
+            data = snapshot.pack(meta, blobs)
+        from .checkpoint import encode_checkpoint
+
+        yield from file_parts(
+            session.name, f"{session.name}.state", encode_checkpoint(data, compress=False)
+        )
+
+    def LoadRuntimeState(
+        self, request_iterator: Iterator[pb.FilePart], context: grpc.ServicerContext
+    ) -> pb.LoadReply:
+        from .checkpoint import CheckpointError, decode_checkpoint
+
+        try:
+            name, data = receive_file(request_iterator)
+            try:
+                meta, blobs = snapshot.unpack(decode_checkpoint(data, source="runtime state"))
+                if meta.get("name") != name:
+                    raise ValueError(
+                        f"session: expected state of session {name!r}, got {meta.get('name')!r}"
+                    )
+                session = self.restore_session(meta, blobs)
+            except (CheckpointError, ValueError) as exc:
+                raise SessionError("INVALID_ARGUMENT", f"runtime state: {exc}") from None
+            self._checkpoint_after_load()
+            return pb.LoadReply(status=session.status())
+        except SessionError as err:
+            self._abort(context, err)
+            raise
+
+    def Checkpoint(
+        self, request: pb.CheckpointRequest, context: grpc.ServicerContext
+    ) -> pb.CheckpointReply:
+        if self.durability is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "checkpoint: expected a server with a write-ahead log, got one started with --no-wal",
+            )
+        try:
+            path, cut = self.durability.checkpoint(self)
+        except OSError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"checkpoint failed: {exc}")
+        return pb.CheckpointReply(path=str(path), wal_index=cut)
 
 
 def episode_from_proto(msg: pb.EpisodeArrays, max_raw: int) -> EpisodeArrays:

@@ -11,6 +11,7 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from recorder_client._proto import recorder_pb2 as pb
 from recorder_client.capture_types import TrajectoryTrainingConfiguration
 
 from .capture import TrajectoryCaptureProcessor, build_store
+from .durability import KIND_CHUNK, encode_record, is_disk_full
 from .episodes import Assembly, EncodedArray, WorkerTimeline, assemble
 from .feeder import ChunkEpisodes, EpisodeFeeder
 
@@ -237,6 +239,8 @@ class Session:
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
         self.feeder = EpisodeFeeder(name, self.processor, metrics)
+        # Appends a log record before a change is acknowledged; None without a log.
+        self.journal: Callable[[bytes], None] | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -251,7 +255,8 @@ class Session:
         self.feeder.close()
 
     # -- workers ---------------------------------------------------------
-    def join(self, worker_id: str, config: SessionConfig) -> WorkerTimeline:
+    def check_join(self, worker_id: str, config: SessionConfig) -> None:
+        """Raise SessionError unless join(worker_id, config) would succeed."""
         check_worker_id(worker_id)
         with self.lock:
             if config != self.config:
@@ -261,14 +266,18 @@ class Session:
                     f"{self.config.describe_difference(config)}",
                     kind="session_mismatch",
                 )
+            if worker_id not in self.workers and len(self.workers) >= self.max_workers:
+                raise SessionError(
+                    "RESOURCE_EXHAUSTED",
+                    f"workers: session {self.name!r} allows at most {self.max_workers} "
+                    f"workers, got one more ({worker_id!r})",
+                )
+
+    def join(self, worker_id: str, config: SessionConfig) -> WorkerTimeline:
+        with self.lock:
+            self.check_join(worker_id, config)
             timeline = self.workers.get(worker_id)
             if timeline is None:
-                if len(self.workers) >= self.max_workers:
-                    raise SessionError(
-                        "RESOURCE_EXHAUSTED",
-                        f"workers: session {self.name!r} allows at most {self.max_workers} "
-                        f"workers, got one more ({worker_id!r})",
-                    )
                 timeline = WorkerTimeline(worker_id, len(self.workers))
                 self.workers[worker_id] = timeline
                 self.last_sequence[worker_id] = 0
@@ -291,8 +300,12 @@ class Session:
         return self.config.max_episodes is not None and self.done_count >= self.config.max_episodes
 
     # -- ingest ----------------------------------------------------------
-    def apply(self, worker_id: str, chunk: pb.Chunk, max_raw: int) -> int:
-        """Take one chunk; returns a RecordAck.Result value. Raises SessionError."""
+    def apply(self, worker_id: str, chunk: pb.Chunk, max_raw: int, *, log: bool = True) -> int:
+        """Take one chunk; returns a RecordAck.Result value. Raises SessionError.
+
+        With a journal, the chunk is in the write-ahead log before anything
+        changes (log=False when replaying that log).
+        """
         timeline = self.worker(worker_id)
         with self.worker_locks[worker_id]:
             seq = chunk.sequence
@@ -315,6 +328,23 @@ class Session:
                 if self.is_full:
                     return self._drop_full(timeline)
                 self._check_schema(timeline, decoded)
+                if log and self.journal is not None:
+                    try:
+                        self.journal(
+                            encode_record(
+                                KIND_CHUNK, self.name, worker_id, chunk.SerializeToString()
+                            )
+                        )
+                    except OSError as exc:
+                        # Not taken: the client keeps the chunk and resends it.
+                        self.last_sequence[worker_id] = seq - 1
+                        raise SessionError(
+                            "RESOURCE_EXHAUSTED",
+                            f"data directory: cannot append chunk {seq} of {worker_id!r} to the "
+                            f"write-ahead log ({exc.strerror or exc}); nothing acknowledged is "
+                            "affected, and the chunk is taken once space is freed",
+                            kind="disk_full" if is_disk_full(exc) else "",
+                        ) from None
                 t0 = timeline.t_total
                 env, start, end = timeline.add_chunk(
                     decoded.dones, decoded.encoded, decoded.wire_bytes

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from recorder_client.capture_types import (
     CellField,
     EpisodeOutcome,
+    OutcomeRule,
+    TrajectorySliceReference,
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_server.store import EpisodeArrays, TrajectoryStore
+from recorder_server.store import EpisodeArrays, EpisodeBatch, TrajectoryStore
 
 UTILITIES = (UtilityConfig("w", gamma=0.75), UtilityConfig("l", 1.0, ("LOSS", "DRAW"), ("WIN",)))
 CONFIG = TrajectoryTrainingConfiguration(
@@ -85,3 +87,97 @@ def test_store_matches_model(episodes):
         assert store.snapshot_potential(config.name, ["a"]) == pytest.approx(
             {k: s / v for k, (s, v) in merged.items()}
         )
+
+
+# -- batches: record_episodes against one record_episode call per episode ---------------------
+
+BATCH_CONFIGS = (
+    CONFIG,
+    # A tiny repository (evictions inside a batch) and an outcome rule.
+    TrajectoryTrainingConfiguration(
+        cell_fields=CONFIG.cell_fields,
+        utilities=(UtilityConfig("w", gamma=0.0), UtilityConfig("one", gamma=1.0)),
+        outcome_rule=OutcomeRule("reward_sign", threshold=0.5),
+        repository_capacity_bytes=600,
+    ),
+)
+
+batch_step_st = st.tuples(
+    st.integers(-2, 2), st.integers(-3, 3), st.sampled_from([-1.0, -0.0, 0.0, 0.5, 1.0])
+)
+batch_episode_st = st.tuples(
+    st.lists(batch_step_st, min_size=0, max_size=10),
+    st.sampled_from(list(EpisodeOutcome)),
+    st.integers(0, 3),  # start: 0 none, 1 sampled from the store, 2 made up, 3 none
+)
+
+
+def store_state(store: TrajectoryStore) -> dict:
+    """Everything observable about a store, as plain comparable values (arrays as bytes)."""
+    state = store.checkpoint_state()
+    arrays = {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in state["arrays"].items()}
+    snapshots = {
+        (u, tuple(fields)): store.snapshot_potential(u, fields)
+        for u in store.utility_names
+        for fields in (["a", "b"], ["b"], [])
+    }
+    return {
+        "counters": state["counters"],
+        "arrays": arrays,
+        "cells": [store.cell(k) for k in store.cell_keys()],
+        "ids": store.trajectory_ids(),
+        "metrics": store.metrics(),
+        "midpoints": store.midpoint_start_counts(),
+        "starts": store.start_probabilities(),
+        "snapshots": snapshots,
+    }
+
+
+def as_episode(steps) -> EpisodeArrays:
+    s = np.array([[a, b] for a, b, _ in steps], dtype=np.int64).reshape(len(steps), 2)
+    rewards = np.array([r for _, _, r in steps], dtype=np.float64)
+    return EpisodeArrays(np.arange(len(steps), dtype=np.int16), rewards, {"s": s})
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(BATCH_CONFIGS),
+    st.lists(st.lists(batch_episode_st, min_size=1, max_size=7), min_size=1, max_size=4),
+    st.booleans(),
+)
+def test_batches_match_sequential_calls(config, batches, concatenated):
+    """record_episodes (and record_episode_batch) give exactly what one record_episode call
+    per episode, in order, gives: records, archive, references, repository, utilities."""
+    one, many = TrajectoryStore(config, seed=3), TrajectoryStore(config, seed=3)
+    step = 0
+    for batch in batches:
+        episodes, outcomes, refs = [], [], []
+        for steps, outcome, start in batch:
+            episodes.append(as_episode(steps))
+            outcomes.append(outcome)
+            ref = None
+            if start == 1 and len(one):
+                ref = one.sample_start()[0]
+                assert many.sample_start()[0] == ref
+            elif start == 2:
+                ref = TrajectorySliceReference(len(refs) * 2, 1)
+            refs.append(ref)
+        steps_ = list(range(step, step + len(batch)))
+        step += len(batch)
+        expected = [
+            one.record_episode(e, step=s, outcome=o, start_reference=r)
+            for e, s, o, r in zip(episodes, steps_, outcomes, refs, strict=True)
+        ]
+        if concatenated:
+            got = many.record_episode_batch(
+                EpisodeBatch.from_episodes(episodes),
+                steps=steps_,
+                outcomes=outcomes,
+                start_references=refs,
+            )
+        else:
+            got = many.record_episodes(
+                episodes, steps=steps_, outcomes=outcomes, start_references=refs
+            )
+        assert got == expected
+        assert store_state(many) == store_state(one)

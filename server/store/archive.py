@@ -235,7 +235,6 @@ class CellArchive:
         self.cols["best_return"][target] = item_ret[final]
         return improved_per_ep, rel_ep, rel_tid, counts.astype(np.int64, copy=False)
 
-
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Copies of every live column, for a checkpoint."""
         out = {"keys": self.view("keys").copy()}

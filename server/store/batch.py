@@ -27,6 +27,8 @@ from .cells import key_bytes
 _DENSE_MIN = 1 << 16
 _DENSE_FACTOR = 4
 _CODE_LIMIT = 1 << 62
+# Below this many steps, the run filter in group_batch costs more than it saves.
+_RUN_FILTER_MIN = 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,17 +94,12 @@ def _dense_limit(num_steps: int) -> int:
     return max(_DENSE_FACTOR * num_steps, _DENSE_MIN)
 
 
-def _wrap64(value: int) -> int:
-    """``value`` as the int64 it is congruent to modulo 2**64."""
-    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
 def _step_codes(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
     """Cell codes of the steps from the (F, S) key columns:
     ``(step_codes (S,), keys (U, F), num_codes, codes (U,), visits (U,))``."""
-    width, num_steps = columns.shape
-    lows = [int(c.min()) for c in columns]
-    ranges = [int(c.max()) - lo + 1 for c, lo in zip(columns, lows, strict=True)]
+    width = columns.shape[0]
+    lows = columns.min(axis=1)
+    ranges = [h - lo + 1 for h, lo in zip(columns.max(axis=1).tolist(), lows.tolist())]
     total = 1
     for r in ranges:
         total *= r
@@ -111,78 +108,76 @@ def _step_codes(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.nd
         uniq, inverse, visits = np.unique(voids, return_inverse=True, return_counts=True)
         keys = np.ascontiguousarray(uniq).view(np.int64).reshape(uniq.shape[0], width)
         return inverse.reshape(-1), keys, keys.shape[0], np.arange(keys.shape[0]), visits
-    # Mixed-radix code (first field most significant): sum((c_j - low_j) * stride_j), computed
-    # as sum(c_j * stride_j) - sum(low_j * stride_j) with int64 wrap-around, which is exact
-    # because the result lies in [0, total).
+    # Mixed-radix code, first field most significant: sum(c_j * stride_j) minus
+    # sum(low_j * stride_j), exact in wrapping int64 arithmetic since it lies in [0, total).
     strides = [1] * width
     for j in range(width - 2, -1, -1):
         strides[j] = strides[j + 1] * ranges[j + 1]
     code = columns[0] * strides[0] if strides[0] != 1 else columns[0].copy()
     for j in range(1, width):
         code += columns[j] * strides[j] if strides[j] != 1 else columns[j]
-    offset = _wrap64(sum(lo * s for lo, s in zip(lows, strides, strict=True)))
+    offset = sum(lo * st for lo, st in zip(lows.tolist(), strides, strict=True))
+    offset = (offset + (1 << 63)) % (1 << 64) - (1 << 63)  # as the int64 it wraps to
     if offset:
         code -= offset
-    if total <= _dense_limit(num_steps):
+    if total <= _dense_limit(columns.shape[1]):
         counts = np.bincount(code, minlength=total)
         codes = np.flatnonzero(counts)
         visits = counts[codes]
-        num_codes = total
-    else:
-        codes, code, visits = np.unique(code, return_inverse=True, return_counts=True)
-        code = code.reshape(-1)
-        num_codes = codes.shape[0]
-        raw = codes
-        codes = np.arange(num_codes)
-        keys = _decode(raw, strides, lows)
-        return code, keys, num_codes, codes, visits
-    return code, _decode(codes, strides, lows), num_codes, codes, visits
+        keys = np.stack(np.unravel_index(codes, ranges), axis=1)
+        keys += lows
+        return code, keys, total, codes, visits
+    raw, code, visits = np.unique(code, return_inverse=True, return_counts=True)
+    keys = np.stack(np.unravel_index(raw, ranges), axis=1)
+    keys += lows
+    return code.reshape(-1), keys, raw.shape[0], np.arange(raw.shape[0]), visits
 
 
-def _decode(codes: np.ndarray, strides: list[int], lows: list[int]) -> np.ndarray:
-    keys = np.empty((codes.shape[0], len(strides)), dtype=np.int64)
-    rest = codes
-    for j, (stride, low) in enumerate(zip(strides, lows, strict=True)):
-        keys[:, j], rest = np.divmod(rest, stride)
-        keys[:, j] += low
-    return keys
-
-
-def group_batch(columns: np.ndarray, cumulative: np.ndarray, lengths: np.ndarray) -> BatchCells:
+def group_batch(
+    columns: np.ndarray, cumulative: np.ndarray, lengths: np.ndarray, offsets: np.ndarray
+) -> BatchCells:
     """Group the concatenated steps of a batch by cell and by (episode, cell) pair, from the
-    (F, S) int64 key columns and (S,) cumulative rewards of the steps (S > 0)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
+    (F, S) int64 key columns and (S,) cumulative rewards of the steps (S > 0), the (E,)
+    episode lengths and their (E+1,) offsets."""
     num_eps = lengths.shape[0]
-    offsets = np.zeros(num_eps + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
     num_steps = int(offsets[-1])
     if num_steps == 0 or columns.shape[1] != num_steps or cumulative.shape != (num_steps,):
         raise ValueError(
             f"batch: {columns.shape[1]} keys and {cumulative.shape} returns for {num_steps} steps"
         )
     step_codes, keys, num_codes, codes, visits = _step_codes(columns)
+    num_cells = codes.shape[0]
 
-    pair = np.repeat(np.arange(num_eps, dtype=np.int64) * num_codes, lengths)
-    pair += step_codes
-    # Only the first step of each run of equal (pair, cumulative reward) can be a pair's best
-    # (a later step of the run ties with it at a later step), so the reductions skip the rest.
-    run_start = np.empty(num_steps, dtype=bool)
-    run_start[0] = True
-    np.not_equal(pair[1:], pair[:-1], out=run_start[1:])
-    run_start[1:] |= cumulative[1:] != cumulative[:-1]
-    kept = np.flatnonzero(run_start)
+    single = num_eps == 1
+    if single:
+        pair = step_codes
+    else:
+        pair = np.repeat(np.arange(num_eps, dtype=np.int64) * num_codes, lengths)
+        pair += step_codes
+    if num_steps > _RUN_FILTER_MIN:
+        # Only the first step of each run of equal (pair, cumulative reward) can be a pair's
+        # best (a later step of the run ties with it at a later step): reduce over those.
+        run_start = np.empty(num_steps, dtype=bool)
+        run_start[0] = True
+        np.not_equal(pair[1:], pair[:-1], out=run_start[1:])
+        run_start[1:] |= cumulative[1:] != cumulative[:-1]
+        kept = np.flatnonzero(run_start)
+        kept_bins, kept_cum = pair[kept], cumulative[kept]
+    else:
+        kept, kept_bins, kept_cum = np.arange(num_steps), pair, cumulative
     total = num_eps * num_codes
-    if total <= _dense_limit(num_steps):
+    select: np.ndarray | None
+    if single:  # pairs are the cells
+        bins, nbins, present, select = pair, num_codes, codes, codes
+    elif total <= _dense_limit(num_steps):
         bins, nbins = pair, total
-        kept_bins = pair[kept]
         present = np.flatnonzero(np.bincount(kept_bins, minlength=total))
-        select: np.ndarray | None = present
+        select = present
     else:
         present, bins = np.unique(pair, return_inverse=True)
         bins = bins.reshape(-1)
         kept_bins = bins[kept]
         nbins, select = present.shape[0], None
-    kept_cum = cumulative[kept]
     best = np.full(nbins, -np.inf)
     np.maximum.at(best, kept_bins, kept_cum)
     hit = kept_cum == best[kept_bins]
@@ -190,29 +185,35 @@ def group_batch(columns: np.ndarray, cumulative: np.ndarray, lengths: np.ndarray
     np.minimum.at(best_index, kept_bins[hit], kept[hit])
     if select is not None:
         best_index = best_index[select]
-    pair_ep, pair_code = np.divmod(present, num_codes)
-    if codes.shape[0] == num_codes:
-        pair_cell = pair_code
+    if single:
+        pair_ep = np.zeros(num_cells, dtype=np.int64)
+        pair_cell = cell_order = np.arange(num_cells, dtype=np.int64)
+        best_step = best_index
     else:
-        cell_of_code = np.empty(num_codes, dtype=np.int64)
-        cell_of_code[codes] = np.arange(codes.shape[0], dtype=np.int64)
-        pair_cell = cell_of_code[pair_code]
-    if codes.shape[0] < (1 << 16):
-        cell_order = np.argsort(pair_cell.astype(np.uint16), kind="stable")
-    else:
-        cell_order = np.argsort(pair_cell, kind="stable")
+        pair_ep, pair_code = np.divmod(present, num_codes)
+        if num_cells == num_codes:
+            pair_cell = pair_code
+        else:
+            cell_of_code = np.empty(num_codes, dtype=np.int64)
+            cell_of_code[codes] = np.arange(num_cells, dtype=np.int64)
+            pair_cell = cell_of_code[pair_code]
+        if num_cells < (1 << 16):
+            cell_order = np.argsort(pair_cell.astype(np.uint16), kind="stable")
+        else:
+            cell_order = np.argsort(pair_cell, kind="stable")
+        best_step = best_index - offsets[pair_ep]
     return BatchCells(
         lengths=lengths,
         offsets=offsets,
         keys=keys,
         key_ids=key_bytes(keys).tolist(),
-        visits=visits.astype(np.int64, copy=False),
+        visits=visits,
         codes=codes,
         step_codes=step_codes,
         num_codes=num_codes,
         pair_ep=pair_ep,
         pair_cell=pair_cell,
-        pair_best_step=best_index - offsets[pair_ep],
+        pair_best_step=best_step,
         pair_best_return=cumulative[best_index],
         cell_order=cell_order,
         pair_bins=bins,
@@ -223,8 +224,10 @@ def group_batch(columns: np.ndarray, cumulative: np.ndarray, lengths: np.ndarray
 
 def discount_exponents(offsets: np.ndarray) -> np.ndarray:
     """(S,) int64 ``k`` of every step: steps before its episode's last step (last step: 0)."""
-    lengths = np.diff(offsets)
     num_steps = int(offsets[-1])
+    if offsets.shape[0] == 2:
+        return np.arange(num_steps - 1, -1, -1, dtype=np.int64)
+    lengths = np.diff(offsets)
     exponents = np.repeat(offsets[1:] - 1, lengths)
     exponents -= np.arange(num_steps, dtype=np.int64)
     return exponents

@@ -92,10 +92,7 @@ class TrajectoryStore:
         self._pending: OrderedDict[tuple[int, int], TrajectoryKey] = OrderedDict()
         self._counters = {"episodes": 0, "steps": 0, "last_new_cells": 0, "last_improved": 0}
         # Per utility: the sign of each outcome code; gamma -> cached gamma ** k table.
-        self._sign_tables = [
-            np.array([u.sign(o) for o in EpisodeOutcome], dtype=np.float64)
-            for u in configuration.utilities
-        ]
+        self._sign_tables = [[u.sign(o) for o in EpisodeOutcome] for u in configuration.utilities]
         self._power_tables: dict[float, np.ndarray] = {}
 
     # -- configuration -------------------------------------------------------------------------
@@ -130,11 +127,36 @@ class TrajectoryStore:
         """Fold one finished episode into the archive, repository and utilities.
 
         ``step`` is the caller's global step; it becomes ``first_seen_step`` of new cells.
-        An UNKNOWN outcome goes through the configured OutcomeRule first. (A batch of one:
-        see :meth:`record_episodes`.)
+        An UNKNOWN outcome goes through the configured OutcomeRule first. (The batch path of
+        :meth:`record_episodes` with a batch of one.)
         """
-        return self.record_episodes(
-            [episode], steps=[step], outcomes=[outcome], start_references=[start_reference]
+        episode = EpisodeArrays.coerce(episode)
+        step = _check_step(step, "step")
+        length = episode.length
+        cumulative = np.cumsum(episode.rewards, dtype=np.float64)
+        outcome = EpisodeOutcome.coerce(outcome)
+        if start_reference is not None and not isinstance(
+            start_reference, TrajectorySliceReference
+        ):
+            raise ValueError(
+                f"start_reference: expected a TrajectorySliceReference, got {start_reference!r}"
+            )
+
+        def columns() -> np.ndarray:
+            return batch_cell_columns(self._config.cell_fields, [episode.states], [length])
+
+        def encode(i: int, compressor: Any) -> bytes:
+            return encode_episode(episode, compressor=compressor)
+
+        return self._record_batch(
+            np.array([length], dtype=np.int64),
+            np.array([0, length], dtype=np.int64),
+            cumulative,
+            columns,
+            encode,
+            np.array([step], dtype=np.int64),
+            [outcome],
+            [start_reference],
         )[0]
 
     def record_episodes(
@@ -146,13 +168,16 @@ class TrajectoryStore:
         start_references: Sequence[TrajectorySliceReference | None] | None = None,
     ) -> list[EpisodeRecord]:
         """Record several finished episodes, with results identical to calling
-        :meth:`record_episode` for each in order (ids, archive, best references and their
-        tie-breaks, repository contents and evictions, utilities, counters), but vectorised
-        over the whole batch.
+        :meth:`record_episode` for each in order (trajectory ids, archive cells and their ids,
+        visits, first-seen steps, best references and their tie-breaks, repository contents,
+        refcounts and evictions, utilities, midpoint starts, counters), vectorised over the
+        whole batch.
 
-        ``steps`` and ``outcomes`` give one value per episode, or one value for all. The batch
-        is validated as a whole first: on invalid input nothing is recorded (ValueError).
-        Episodes may be EpisodeArrays or anything :meth:`EpisodeArrays.coerce` accepts.
+        ``steps`` and ``outcomes`` give one value per episode, or one value for all;
+        ``start_references`` is None or one (optional) reference per episode. Episodes may be
+        EpisodeArrays or anything :meth:`EpisodeArrays.coerce` accepts. The whole batch is
+        validated first: on invalid input nothing is recorded (ValueError), where sequential
+        calls would have recorded the episodes before the bad one.
         """
         if isinstance(episodes, (EpisodeArrays, Mapping)):
             raise ValueError("episodes: expected a sequence of episodes, got a single episode")
@@ -166,19 +191,22 @@ class TrajectoryStore:
             np.concatenate([e.rewards for e in episodes] or [np.zeros(0)], dtype=np.float64),
             offsets,
         )
+        outcome_list = _batch_outcomes(outcomes, count)
+        refs = _batch_references(start_references, count)
         nonempty = [i for i, n in enumerate(lengths.tolist()) if n]
-        states = [episodes[i].states for i in nonempty]
 
-        def keys() -> np.ndarray:
+        def columns() -> np.ndarray:
             return batch_cell_columns(
-                self._config.cell_fields, states, [int(lengths[i]) for i in nonempty]
+                self._config.cell_fields,
+                [episodes[i].states for i in nonempty],
+                [int(lengths[i]) for i in nonempty],
             )
 
         def encode(i: int, compressor: Any) -> bytes:
             return encode_episode(episodes[i], compressor=compressor)
 
         return self._record_batch(
-            lengths, offsets, cumulative, keys, encode, step_array, outcomes, start_references
+            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
         )
 
     def record_episode_batch(
@@ -190,15 +218,17 @@ class TrajectoryStore:
         start_references: Sequence[TrajectorySliceReference | None] | None = None,
     ) -> list[EpisodeRecord]:
         """:meth:`record_episodes` for episodes already concatenated into an EpisodeBatch
-        (identical to recording ``batch.episode(i)`` one by one)."""
+        (identical to recording ``batch.episode(i)`` one by one, in order)."""
         if not isinstance(batch, EpisodeBatch):
             raise ValueError(f"batch: expected an EpisodeBatch, got {type(batch).__name__}")
         count = len(batch)
         step_array = _batch_steps(steps, count)
         lengths, offsets = batch.lengths, batch.offsets
         cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
+        outcome_list = _batch_outcomes(outcomes, count)
+        refs = _batch_references(start_references, count)
 
-        def keys() -> np.ndarray:
+        def columns() -> np.ndarray:
             n = cumulative.shape[0]
             return np.stack([field_column(f, batch.states, n) for f in self._config.cell_fields])
 
@@ -206,7 +236,7 @@ class TrajectoryStore:
             return encode_episode(batch.episode(i), compressor=compressor)
 
         return self._record_batch(
-            lengths, offsets, cumulative, keys, encode, step_array, outcomes, start_references
+            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
         )
 
     def _powers(self, gamma: float, length: int) -> np.ndarray:
@@ -223,26 +253,29 @@ class TrajectoryStore:
         lengths: np.ndarray,
         offsets: np.ndarray,
         cumulative: np.ndarray,
-        keys: Callable[[], np.ndarray],
+        columns: Callable[[], np.ndarray],
         encode: Callable[[int, Any], bytes],
         step_array: np.ndarray,
-        outcomes: Any,
-        start_references: Any,
+        outcomes: list[EpisodeOutcome],
+        refs: list[TrajectorySliceReference | None],
     ) -> list[EpisodeRecord]:
+        """The one write path: validated per-episode arguments, the episodes' concatenated
+        cumulative rewards, and callables for their (F, S) key columns and blobs."""
         count = lengths.shape[0]
         if cumulative.size and not np.isfinite(cumulative).all():
             bad = int(np.searchsorted(offsets, np.argmin(np.isfinite(cumulative)), "right")) - 1
             where = f" (episode {bad} of the batch)" if count > 1 else ""
             raise ValueError(f"rewards: episode has non-finite rewards or return{where}")
-        outcome_list = _batch_outcomes(outcomes, count)
         rule = self._config.outcome_rule
-        ends = offsets[1:].tolist()
-        resolved = [
-            rule.resolve(o, float(cumulative[end - 1]) if n else 0.0)
-            for o, end, n in zip(outcome_list, ends, lengths.tolist(), strict=True)
-        ]
-        refs = _batch_references(start_references, count)
-        cells = group_batch(keys(), cumulative, lengths) if cumulative.size else None
+        if rule.kind == "none":
+            resolved = outcomes
+        else:
+            ends = offsets[1:].tolist()
+            resolved = [
+                rule.resolve(o, float(cumulative[end - 1]) if n else 0.0)
+                for o, end, n in zip(outcomes, ends, lengths.tolist(), strict=True)
+            ]
+        cells = group_batch(columns(), cumulative, lengths, offsets) if cumulative.size else None
         signs = self._utilities_signs(resolved)
         pair_sums: list[np.ndarray | None] = []
         if cells is not None:
@@ -272,7 +305,10 @@ class TrajectoryStore:
                     signs,
                     len(self._archive),
                 )
-                rel_bounds = np.searchsorted(update.released_ep, np.arange(count + 1)).tolist()
+                if count == 1:
+                    rel_bounds = [0, update.released_ep.shape[0]]
+                else:
+                    rel_bounds = np.searchsorted(update.released_ep, np.arange(count + 1)).tolist()
                 rel_tid = update.released_tid.tolist()
                 rel_count = update.released_count.tolist()
             repository = self._repository
@@ -305,11 +341,11 @@ class TrajectoryStore:
 
     def _utilities_signs(self, outcomes: list[EpisodeOutcome]) -> list[np.ndarray | None]:
         """Per utility, the (E,) sign of each episode's outcome, or None when all are 0."""
-        codes = np.fromiter(outcomes, dtype=np.int64, count=len(outcomes))
+        codes = [int(o) for o in outcomes]
         out: list[np.ndarray | None] = []
         for table in self._sign_tables:
-            signs = table[codes]
-            out.append(signs if signs.any() else None)
+            signs = [table[c] for c in codes]
+            out.append(np.array(signs, dtype=np.float64) if any(signs) else None)
         return out
 
     def _start_cell(self, ref: TrajectorySliceReference) -> TrajectoryKey | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recorder_client.capture_types import EpisodeOutcome, UtilityConfig
+from recorder_client.capture_types import UtilityConfig
 
 
 class UtilityTable:
@@ -51,6 +51,9 @@ class UtilityTable:
         self._grow(num_cells)
         for u, (sums, sign) in enumerate(zip(pair_sums, signs, strict=True)):
             if sums is None or sign is None:
+                continue
+            if sign.shape[0] == 1:  # one episode: its cells are distinct
+                self.sums[u, cell_ids[pair_cell]] += sums * sign[0] + 0.0
                 continue
             s = sign[pair_ep]
             nonzero = s != 0.0

@@ -1,0 +1,298 @@
+"""Rollout Recorder benchmarks: `make bench` (`python bench/run.py`).
+
+Runs every scenario in `scenarios.SCENARIOS` side by side with its reference,
+then writes bench/results/<UTC timestamp>.json, bench/results/latest.json and
+bench/RESULTS.md, and prints the table.
+
+    python bench/run.py                 # the full run (~5 min on 2 cores)
+    python bench/run.py --quick         # a smoke run (~1 min)
+    python bench/run.py --only latency,ingest_4w
+    python bench/run.py --serve-args "--some-flag x"   # appended to every recorder server
+    python bench/run.py --profile       # also: 4-worker ingest under py-spy (bench extra)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from procs import BENCH_DIR, REPO  # noqa: E402
+from report import (  # noqa: E402
+    TARGETS,
+    cpu_table,
+    details_section,
+    loadavg,
+    machine_info,
+    render_markdown,
+    rows_table,
+    targets_table,
+)
+from scenarios import (  # noqa: E402
+    OPTIONAL_SCENARIOS,
+    SCENARIOS,
+    Context,
+    Params,
+    Row,
+    Scenario,
+    Skipped,
+    median_run,
+)
+from workload import compression_check  # noqa: E402
+
+RESULTS_DIR = BENCH_DIR / "results"
+PROFILE_JSON = RESULTS_DIR / "profile-latest.json"
+PROFILE_NOTES = BENCH_DIR / "profile_notes.md"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a ~1 minute smoke run")
+    parser.add_argument("--only", default="", help="comma-separated scenario names")
+    parser.add_argument("--skip", default="", help="comma-separated scenario names")
+    parser.add_argument(
+        "--with",
+        dest="with_",
+        default="",
+        help="comma-separated optional scenarios to run as well (see --list)",
+    )
+    parser.add_argument(
+        "--serve-args", default="", help="extra `rollout-recorder serve` flags for every server"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile a 4-worker ingest with py-spy"
+    )
+    parser.add_argument(
+        "--code",
+        default="",
+        metavar="REV",
+        help="benchmark client/ and server/ as committed at git REV (a snapshot on "
+        "PYTHONPATH) instead of the working tree",
+    )
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite RESULTS.md from results/latest.json (e.g. after editing profile_notes.md)",
+    )
+    return parser.parse_args(argv)
+
+
+def use_snapshot(rev: str, tmp: Path) -> dict[str, str]:
+    """Extract client/ and server/ at `rev` and put them first on every process's path."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dest = tmp / "src"
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", sha, "client", "server"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    pkgs = dest / "pkgs"
+    pkgs.mkdir()
+    (pkgs / "recorder_client").symlink_to(dest / "client", target_is_directory=True)
+    (pkgs / "recorder_server").symlink_to(dest / "server", target_is_directory=True)
+    # PathFinder (PYTHONPATH, sys.path) runs before the editable install's finder.
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(pkgs), old) if p)
+    sys.path.insert(0, str(pkgs))
+    return {"source": f"git {sha} (snapshot via --code {rev})", "commit": sha}
+
+
+def where_the_time_goes(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Where the time goes",
+        "",
+        "CPU seconds of each process during the timed window (from /proc and `os.times()`), "
+        "per GB of raw data:",
+        "",
+        *cpu_table(results),
+        "",
+    ]
+    if PROFILE_JSON.exists():
+        from profile_ingest import profile_markdown
+
+        lines += profile_markdown(json.loads(PROFILE_JSON.read_text()))
+    if PROFILE_NOTES.exists():
+        lines += [PROFILE_NOTES.read_text().strip(), ""]
+    return lines
+
+
+def run_scenario(ctx: Context, doc: dict[str, Any], sc: Scenario, rep: int) -> dict | None:
+    """One run of a scenario; a failure is recorded, and the other scenarios go on."""
+    label = f"{sc.name}" + (f" (round {rep + 1}/{ctx.params.repeats})" if sc.repeated else "")
+    ctx.log(f"{label}: {sc.description}")
+    t0 = time.monotonic()
+    try:
+        result = sc.run(ctx, rep)
+    except Skipped as exc:
+        doc["skipped"][sc.name] = str(exc)
+        ctx.log(f"{label} skipped: {exc}")
+        return None
+    except Exception as exc:
+        doc["errors"][sc.name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        ctx.log(f"{label} FAILED: {type(exc).__name__}: {exc}")
+        return None
+    result["elapsed_s"] = time.monotonic() - t0
+    if not sc.repeated:
+        ctx.results[sc.name] = result
+    ctx.log(f"{label} done in {result['elapsed_s']:.1f} s")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.render_only:
+        return render_only()
+    if args.list:
+        for sc in SCENARIOS:
+            print(f"{sc.name:28s} {sc.description}")
+        for sc in OPTIONAL_SCENARIOS:
+            print(f"{sc.name:28s} {sc.description} (optional: --with)")
+        return 0
+    only = {s for s in args.only.split(",") if s}
+    skip = {s for s in args.skip.split(",") if s}
+    with_ = {s for s in args.with_.split(",") if s}
+    everything = SCENARIOS + OPTIONAL_SCENARIOS
+    unknown = (only | skip | with_) - {sc.name for sc in everything}
+    if unknown:
+        print(f"unknown scenarios: {sorted(unknown)}; see --list", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    now = datetime.now(UTC)
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    params = Params().quick() if args.quick else Params()
+    tmp = RESULTS_DIR / "tmp" / stamp
+    tmp.mkdir(parents=True, exist_ok=True)
+    code = {"source": "working tree"}
+    if args.code:
+        code = use_snapshot(args.code, tmp)
+    import recorder_client
+
+    code["recorder_client"] = str(Path(recorder_client.__file__).parent)
+    ctx = Context(params, args.quick, tmp, shlex.split(args.serve_args))
+    doc: dict[str, Any] = {
+        "timestamp": now.isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "params": params.__dict__,
+        "serve_args": ctx.serve_args,
+        "machine": machine_info(),
+        "code": code,
+        "results": ctx.results,
+        "errors": {},
+        "skipped": {},
+    }
+    ctx.results["_workload"] = compression_check()
+    try:
+        default = {sc.name for sc in SCENARIOS}
+        selected = [
+            sc
+            for sc in everything
+            if (sc.name in only or sc.name in with_ or (not only and sc.name in default))
+            and sc.name not in skip
+        ]
+        for sc in selected:
+            if not sc.repeated:
+                run_scenario(ctx, doc, sc, 0)
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for rep in range(params.repeats):
+            for sc in selected:
+                if sc.repeated and sc.name not in doc["errors"] and sc.name not in doc["skipped"]:
+                    result = run_scenario(ctx, doc, sc, rep)
+                    if result is not None:
+                        runs.setdefault(sc.name, []).append(result)
+        for name, results in runs.items():
+            ctx.results[name] = median_run(results)
+        if args.profile:
+            from profile_ingest import profile_ingest
+
+            ctx.log("profile: 4-worker ingest under py-spy")
+            try:
+                prof = profile_ingest(ctx)
+            except Exception as exc:
+                doc["errors"]["profile"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                ctx.log(f"profile FAILED: {type(exc).__name__}: {exc}")
+            else:
+                prof["timestamp"] = doc["timestamp"]
+                PROFILE_JSON.write_text(json.dumps(prof, indent=1))
+    finally:
+        ctx.close()
+
+    doc["machine"]["loadavg_end"] = loadavg()
+    doc["elapsed_s"] = time.monotonic() - started
+    doc["file"] = f"{stamp}{'-quick' if args.quick else ''}.json"
+    rows = finalize(doc)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    text = json.dumps(doc, indent=1, default=str)
+    (RESULTS_DIR / doc["file"]).write_text(text)
+    (RESULTS_DIR / "latest.json").write_text(text)
+    write_markdown(doc, rows)
+    print()
+    print("\n".join(targets_table(doc["targets"])))
+    print()
+    print("\n".join(rows_table(rows)))
+    print()
+    print(
+        f"wrote bench/results/{doc['file']}, bench/results/latest.json, bench/RESULTS.md "
+        f"({doc['elapsed_s']:.0f} s)"
+    )
+    for name in doc["errors"]:
+        print(f"scenario {name} failed; see the JSON for the traceback", file=sys.stderr)
+    return 1 if doc["errors"] else 0
+
+
+def finalize(doc: dict[str, Any]) -> list[Row]:
+    """Rows and target verdicts from the results (also for --render-only)."""
+    results = doc["results"]
+    rows = [row for sc in SCENARIOS + OPTIONAL_SCENARIOS for row in sc.rows(results)]
+    doc["targets"] = [t.evaluate(results) for t in TARGETS]
+    doc["rows"] = [{**row.__dict__, "ratio": row.ratio} for row in rows]
+    return rows
+
+
+def write_markdown(doc: dict[str, Any], rows: list[Row]) -> None:
+    results = doc["results"]
+    errors = ["## Errors and skipped scenarios", ""] + [
+        f"- `{name}` failed: {err.splitlines()[0]}" for name, err in doc["errors"].items()
+    ]
+    errors += [f"- `{name}` skipped: {why}" for name, why in doc.get("skipped", {}).items()]
+    markdown = render_markdown(
+        doc,
+        rows,
+        [
+            *details_section(results),
+            *(errors + [""] if doc["errors"] or doc.get("skipped") else []),
+            *where_the_time_goes(results),
+        ],
+    )
+    (BENCH_DIR / "RESULTS.md").write_text(markdown)
+
+
+def render_only() -> int:
+    """Rewrite bench/RESULTS.md from bench/results/latest.json without running anything."""
+    doc = json.loads((RESULTS_DIR / "latest.json").read_text())
+    write_markdown(doc, finalize(doc))
+    print(f"rewrote bench/RESULTS.md from bench/results/latest.json ({doc['file']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

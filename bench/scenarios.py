@@ -1,0 +1,799 @@
+"""The benchmark scenarios: one function each, registered in `SCENARIOS`.
+
+A scenario takes a `Context` and returns a JSON-able dict of measurements; its
+`rows` function turns the results of the whole run into table rows (so a row
+can compare against another scenario). New rows are a few lines: for example,
+once `serve` has the flag,
+
+    SCENARIOS.append(ingest_scenario(
+        "ingest_4w_store_off", workers=4,
+        serve_args=("--no-trajectory-store",), compare_to="ingest_4w"))
+
+runs the 4-worker ingest against a server started with that flag and adds a
+row "ours vs ingest_4w". `--serve-args` on the command line appends flags to
+every recorder server of the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from procs import (
+    BENCH_DIR,
+    RawGrpcServer,
+    RecorderServer,
+    machine_snapshot,
+    machine_window,
+    proc_cpu_s,
+    run_workers,
+)
+from workload import STATE_FIELDS, make_pool
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Params:
+    """Workload sizes; `quick()` gives the smoke-run sizes."""
+
+    length: int = 128  # T
+    num_envs: int = 256  # N
+    done_prob: float = 1 / 500
+    pool: int = 16  # distinct chunks per worker, reused cyclically
+    latency_calls: int = 200
+    paced_calls: int = 100
+    paced_sleep_s: float = 0.010
+    cap_calls: int = 100
+    cap_chunks: int = 4  # max_bytes_in_flight for the "at the cap" rows, in chunks
+    ingest_chunks: int = 80  # per worker
+    repeats: int = 5  # ingest-like runs: each repeated on a fresh server; the median is kept
+    ray_window: int = 4  # outstanding actor calls per worker
+    finish_episodes: int = 20_000
+    finish_done_prob: float = 1 / 50
+    finish_calls: int = 3  # each side; the median is compared
+
+    def quick(self) -> Params:
+        return replace(
+            self,
+            pool=8,
+            latency_calls=60,
+            paced_calls=30,
+            cap_calls=30,
+            ingest_chunks=20,
+            repeats=1,
+            finish_episodes=3_000,
+            finish_calls=1,
+        )
+
+
+@dataclass
+class Context:
+    params: Params
+    quick: bool
+    tmp: Path  # logs and server data dirs
+    serve_args: list[str]  # appended to every recorder server's flags
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _ray: Any = None
+
+    def log(self, msg: str) -> None:
+        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def server(
+        self, name: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+    ) -> RecorderServer:
+        d = self.tmp / name
+        d.mkdir(parents=True, exist_ok=True)
+        return RecorderServer(d / "data", [*extra, *self.serve_args], d / "server.log", env)
+
+    def ray(self) -> Any:
+        """Start Ray once per run (num_cpus=2, no dashboard); bench/ on the workers' path."""
+        if self._ray is None:
+            import logging
+            import os
+
+            paths = [str(BENCH_DIR), os.environ.get("PYTHONPATH", "")]
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+            import ray
+
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
+            self._ray = ray
+        return self._ray
+
+    def close(self) -> None:
+        if self._ray is not None:
+            self._ray.shutdown()
+            self._ray = None
+
+
+class Skipped(Exception):
+    """A scenario that cannot run here (a missing optional dependency); not a failure."""
+
+
+@dataclass
+class Row:
+    """One table row: ours next to a reference, and which direction is better."""
+
+    section: str
+    name: str
+    ours: float | None
+    reference: float | None
+    reference_name: str
+    unit: str
+    better: str  # "lower" or "higher"
+    digits: int = 1
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or self.reference in (None, 0):
+            return None
+        return self.ours / self.reference
+
+
+@dataclass
+class Scenario:
+    """`run(ctx, round)` returns one run's measurements.
+
+    A `repeated` scenario runs once per round (`Params.repeats` rounds, every
+    repeated scenario in each round, so ours and the baselines take turns under
+    the same background load); the run with the median MB/s is kept, with every
+    run's MB/s beside it. Other scenarios run once, before the rounds.
+    """
+
+    name: str
+    run: Callable[[Context, int], dict[str, Any]]
+    rows: Callable[[dict[str, dict[str, Any]]], list[Row]] = lambda results: []
+    serve_args: tuple[str, ...] = ()
+    description: str = ""
+    serve_env: dict[str, str] = field(default_factory=dict)
+    repeated: bool = False
+
+
+# -- helpers ----------------------------------------------------------------
+
+
+def latency_summary(samples_ns: list[int]) -> dict[str, Any]:
+    arr = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    return {
+        "n": int(arr.size),
+        "p50_us": float(np.percentile(arr, 50)),
+        "p90_us": float(np.percentile(arr, 90)),
+        "p99_us": float(np.percentile(arr, 99)),
+        "max_us": float(arr.max()),
+        "mean_us": float(arr.mean()),
+        "over_200us": int((arr > 200).sum()),
+        "over_1ms": int((arr > 1000).sum()),
+        "samples_us": [round(float(x), 1) for x in arr],
+    }
+
+
+def session_status(address: str, session: str) -> dict[str, int]:
+    """GetStatus of a session, without joining it as a worker."""
+    import grpc
+
+    from recorder_client._proto import recorder_pb2 as pb
+    from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.RecorderStub(channel).GetStatus(
+            pb.StatusRequest(session=session), timeout=60
+        )
+    return {
+        "raw_bytes": int(reply.raw_bytes),
+        "wire_bytes": int(reply.wire_bytes),
+        "chunks_stored": int(reply.chunks_stored),
+        "num_recorded_steps": int(reply.num_recorded_steps),
+        "episodes_finished": int(reply.episodes_finished),
+    }
+
+
+def worker_spec(ctx: Context, mode: str, i: int, **extra: Any) -> dict[str, Any]:
+    p = ctx.params
+    return {
+        "mode": mode,
+        "worker_id": f"w{i}",
+        "seed": 1000 + i,
+        "chunks": p.ingest_chunks,
+        "pool": p.pool,
+        "length": p.length,
+        "num_envs": p.num_envs,
+        "done_prob": p.done_prob,
+        **extra,
+    }
+
+
+def aggregate(
+    ctx: Context,
+    results: list[dict[str, Any]],
+    go_ns: int,
+    machine: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Wall from the first record() of any worker to the last worker's end."""
+    p = ctx.params
+    start = min(r["start_ns"] for r in results)
+    end = max(r["end_ns"] for r in results)
+    wall = (end - start) / 1e9
+    raw = sum(r["raw_bytes"] for r in results)
+    chunks = sum(r["chunks"] for r in results)
+    steps = chunks * p.length * p.num_envs
+    wires = [r.get("wire_bytes") for r in results]
+    return {
+        "workers": len(results),
+        "chunks": chunks,
+        "raw_bytes": raw,
+        "wire_bytes": sum(wires) if all(w is not None for w in wires) else None,
+        "wall_s": wall,
+        "go_to_first_record_ms": (start - go_ns) / 1e6,
+        "raw_mb_s": raw / MB / wall,
+        "env_steps_s": steps / wall,
+        "client_cpu_s": sum(r["cpu_s"] for r in results),
+        "machine": machine or {},
+        "client_maxrss_max": max(r["maxrss"] for r in results),
+        "client_rss_ready_max": max(r["rss_ready"] for r in results),
+        "per_worker": [
+            {
+                "wall_s": (r["end_ns"] - r["start_ns"]) / 1e9,
+                "raw_mb_s": r["raw_bytes"] / MB / ((r["end_ns"] - r["start_ns"]) / 1e9),
+                "cpu_s": r["cpu_s"],
+                "maxrss": r["maxrss"],
+                "rss_ready": r["rss_ready"],
+                "record_latency": r.get("record_latency"),
+                "dropped_in_flight": r.get("dropped_in_flight"),
+                "recorder_client": r.get("recorder_client"),
+            }
+            for r in results
+        ],
+    }
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median MB/s, with every run's MB/s (and server peak RSS) listed."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["raw_mb_s"])
+    median = dict(runs[order[len(order) // 2]])
+    median["runs_raw_mb_s"] = [r["raw_mb_s"] for r in runs]
+    median["runs_machine_busy_cores"] = [r.get("machine", {}).get("busy_cores") for r in runs]
+    if all("server_vm" in r for r in runs):
+        median["runs_server_vmhwm"] = [r["server_vm"].get("VmHWM") for r in runs]
+    return median
+
+
+# -- (a) record() latency -----------------------------------------------------
+
+
+def backpressure_kwargs(block: bool) -> dict[str, Any]:
+    """Block or drop at the cap, in whichever spelling this client version takes."""
+    import inspect
+
+    from recorder_client import RolloutRecorder
+
+    params = inspect.signature(RolloutRecorder).parameters
+    if "on_backpressure" in params:
+        return {"on_backpressure": "block" if block else "drop"}
+    return {"block_when_full": block}
+
+
+def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
+    from reference import load_reference_recorder
+
+    from recorder_client import RolloutRecorder
+
+    p = ctx.params
+    pool = make_pool(p.pool, length=p.length, num_envs=p.num_envs, seed=1, done_prob=p.done_prob)
+    chunk_bytes = pool[0].raw_bytes
+    out: dict[str, Any] = {"chunk_raw_bytes": chunk_bytes}
+    server = ctx.server("latency")
+    try:
+        uncapped = max(1 << 30, int(chunk_bytes * (p.latency_calls + 8) * 1.1))
+
+        def remote(session: str, **kwargs: Any) -> RolloutRecorder:
+            return RolloutRecorder(
+                record_states=True,
+                state_fields=list(STATE_FIELDS),
+                target=server.address,
+                session=session,
+                worker_id=session,
+                **kwargs,
+            )
+
+        # Back-to-back, the cap far away: what the caller's thread pays per call.
+        rec = remote("latency", max_bytes_in_flight=uncapped)
+        for c in pool[:3]:  # warm-up: connection, first-chunk schema
+            rec.record(c.rollout, c.states)
+        rec.flush()
+        lat = []
+        t_start = time.perf_counter_ns()
+        for i in range(p.latency_calls):
+            c = pool[i % len(pool)]
+            t0 = time.perf_counter_ns()
+            rec.record(c.rollout, c.states)
+            lat.append(time.perf_counter_ns() - t0)
+        t_submitted = time.perf_counter_ns()
+        rec.flush()
+        t_done = time.perf_counter_ns()
+        out["remote_back_to_back"] = {
+            **latency_summary(lat),
+            "max_bytes_in_flight": uncapped,
+            "submit_s": (t_submitted - t_start) / 1e9,
+            "drain_s": (t_done - t_submitted) / 1e9,
+            "one_worker_raw_mb_s": chunk_bytes * p.latency_calls / MB / ((t_done - t_start) / 1e9),
+        }
+        # Paced: a training step (sleep, GIL released) between calls.
+        lat = []
+        for i in range(p.paced_calls):
+            time.sleep(p.paced_sleep_s)
+            c = pool[i % len(pool)]
+            t0 = time.perf_counter_ns()
+            rec.record(c.rollout, c.states)
+            lat.append(time.perf_counter_ns() - t0)
+        rec.flush()
+        out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.paced_sleep_s}
+        rec.close()
+
+        # At the cap: max_bytes_in_flight of a few chunks, block (default) or drop.
+        cap = chunk_bytes * p.cap_chunks
+        for block in (True, False):
+            name = "remote_cap_block" if block else "remote_cap_drop"
+            rec = remote(
+                name.replace("_", "-"), max_bytes_in_flight=cap, **backpressure_kwargs(block)
+            )
+            for c in pool[:2]:
+                rec.record(c.rollout, c.states)
+            rec.flush()
+            lat = []
+            t_start = time.perf_counter_ns()
+            for i in range(p.cap_calls):
+                c = pool[i % len(pool)]
+                t0 = time.perf_counter_ns()
+                rec.record(c.rollout, c.states)
+                lat.append(time.perf_counter_ns() - t0)
+            rec.flush()
+            wall = (time.perf_counter_ns() - t_start) / 1e9
+            stats = rec._sender.stats
+            out[name] = {
+                **latency_summary(lat),
+                "max_bytes_in_flight": cap,
+                "calls": p.cap_calls,
+                "dropped": stats.chunks_dropped_in_flight,
+                "wall_s": wall,
+            }
+            rec.close()
+        out["server_vm"] = server.status()
+    finally:
+        server.stop()
+
+    ref_cls, _ = load_reference_recorder()
+    ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS))
+    for c in pool[:3]:
+        ref.record(c.rollout, c.states)
+    lat = []
+    for i in range(p.latency_calls):
+        c = pool[i % len(pool)]
+        t0 = time.perf_counter_ns()
+        ref.record(c.rollout, c.states)
+        lat.append(time.perf_counter_ns() - t0)
+    out["inprocess_back_to_back"] = latency_summary(lat)
+    lat = []
+    for i in range(p.paced_calls):
+        time.sleep(p.paced_sleep_s)
+        c = pool[i % len(pool)]
+        t0 = time.perf_counter_ns()
+        ref.record(c.rollout, c.states)
+        lat.append(time.perf_counter_ns() - t0)
+    out["inprocess_paced"] = latency_summary(lat)
+    return out
+
+
+def rows_latency(results: dict[str, dict[str, Any]]) -> list[Row]:
+    r = results.get("latency")
+    if not r:
+        return []
+    mb = r["chunk_raw_bytes"] / MB
+    ref = "factoriax in-process record()"
+    rows = []
+    for key, label in (("back_to_back", "back-to-back"), ("paced", "10 ms step between calls")):
+        ours, theirs = r[f"remote_{key}"], r[f"inprocess_{key}"]
+        for stat in ("p50", "p99", "max"):
+            rows.append(
+                Row(
+                    "record() latency",
+                    f"record() {stat}, {label}, {mb:.2f} MB chunk (n={ours['n']}"
+                    + (
+                        f"; {ours['over_200us']} calls > 200 us, {ours['over_1ms']} > 1 ms)"
+                        if stat == "p99"
+                        else ")"
+                    ),
+                    ours[f"{stat}_us"],
+                    theirs[f"{stat}_us"],
+                    ref,
+                    "us",
+                    "lower",
+                )
+            )
+    block, drop = r["remote_cap_block"], r["remote_cap_drop"]
+    cap_mb = block["max_bytes_in_flight"] / MB
+    for stat in ("p50", "p99"):
+        rows.append(
+            Row(
+                "record() latency",
+                f"record() {stat} at the cap ({cap_mb:.1f} MB in flight, blocking)",
+                block[f"{stat}_us"],
+                r["inprocess_back_to_back"][f"{stat}_us"],
+                ref,
+                "us",
+                "lower",
+                note="the caller waits for acks; shows the drain rate, not the call cost",
+            )
+        )
+    rows.append(
+        Row(
+            "record() latency",
+            f"record() p99 at the cap, dropping instead of blocking "
+            f"({drop['dropped']}/{drop['calls']} chunks dropped)",
+            drop["p99_us"],
+            r["inprocess_back_to_back"]["p99_us"],
+            ref,
+            "us",
+            "lower",
+        )
+    )
+    return rows
+
+
+# -- (b, e) ingest into one recorder server ---------------------------------
+
+
+def ingest_scenario(
+    name: str,
+    *,
+    workers: int,
+    serve_args: tuple[str, ...] = (),
+    compare_to: str | None = None,
+    compression_level: int = 1,
+    serve_env: dict[str, str] | None = None,
+    description: str = "",
+) -> Scenario:
+    """`workers` processes record `ingest_chunks` chunks each into one session.
+
+    `serve_args` / `serve_env`: extra flags / environment for this scenario's server;
+    `compare_to`: another scenario whose MB/s is this row's reference.
+    """
+
+    def run(ctx: Context, rep: int) -> dict[str, Any]:
+        server = ctx.server(f"{name}-{rep}", serve_args, serve_env)
+        try:
+            idle = server.status()
+            cpu0 = server.cpu_s()
+            specs = [
+                worker_spec(
+                    ctx,
+                    "remote",
+                    i,
+                    target=server.address,
+                    session="ingest",
+                    compression_level=compression_level,
+                )
+                for i in range(workers)
+            ]
+            results, go_ns, machine = run_workers(specs, ctx.tmp / f"{name}-{rep}")
+            out = aggregate(ctx, results, go_ns, machine)
+            out["server_cpu_s"] = server.cpu_s() - cpu0
+            out["server_idle_vm"] = idle
+            out["server_vm"] = server.status()
+            out["status"] = session_status(server.address, "ingest")
+            out["serve_args"] = [*serve_args, *ctx.serve_args]
+            out["serve_env"] = dict(serve_env or {})
+            return out
+        finally:
+            server.stop()
+
+    def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
+        r = results.get(name)
+        if not r:
+            return []
+        label = f"{workers} worker{'s' if workers > 1 else ''}"
+        if serve_args:
+            label += f", serve {' '.join(serve_args)}"
+        if serve_env:
+            label += ", server env " + " ".join(f"{k}={v}" for k, v in serve_env.items())
+        out = []
+        if compare_to is not None:
+            other = results.get(compare_to)
+            out.append(
+                Row(
+                    "ingest",
+                    f"ingest MB/s raw, {label}",
+                    r["raw_mb_s"],
+                    other["raw_mb_s"] if other else None,
+                    compare_to,
+                    "MB/s",
+                    "higher",
+                )
+            )
+            return out
+        refs = [
+            (f"{ref_label}, {workers}w", results[ref_name]["raw_mb_s"])
+            for ref_name, ref_label in (
+                (f"ray_{workers}w", "Ray actor + factoriax"),
+                (f"raw_grpc_{workers}w", "raw gRPC bytes stream"),
+            )
+            if results.get(ref_name)
+        ]
+        for ref_label, ref_value in refs or [("(no baseline run)", None)]:
+            out.append(
+                Row(
+                    "ingest",
+                    f"ingest MB/s raw, {label} ({r['env_steps_s'] / 1e6:.2f} M env steps/s)",
+                    r["raw_mb_s"],
+                    ref_value,
+                    ref_label,
+                    "MB/s",
+                    "higher",
+                )
+            )
+        ours_cpu = r.get("machine", {}).get("ours_cpu_s")
+        other = results.get(f"ray_{workers}w")
+        other_cpu = (other or {}).get("machine", {}).get("ours_cpu_s")
+        if ours_cpu:
+            out.append(
+                Row(
+                    "ingest",
+                    f"ingest efficiency, {label}: MB raw per CPU-second of every process "
+                    "involved (less sensitive than wall clock to other jobs on the machine)",
+                    r["raw_bytes"] / MB / ours_cpu,
+                    other["raw_bytes"] / MB / other_cpu if other_cpu else None,
+                    f"Ray actor + factoriax, {workers}w" if other_cpu else "(no baseline run)",
+                    "MB/CPU-s",
+                    "higher",
+                    digits=0,
+                )
+            )
+        held = r["status"]["raw_bytes"]
+        vm = r["server_vm"]
+        out.append(
+            Row(
+                "memory",
+                f"server peak RSS, {label} ({held / MB:.0f} MB raw held, "
+                f"{r['status']['wire_bytes'] / MB:.0f} MB wire; RSS idle "
+                f"{r['server_idle_vm'].get('VmRSS', 0) / MB:.0f} MB, at the end "
+                f"{vm.get('VmRSS', 0) / MB:.0f} MB)",
+                vm.get("VmHWM", 0) / MB,
+                held / MB,
+                "raw bytes held (what in-process keeps)",
+                "MB",
+                "lower",
+                digits=0,
+            )
+        )
+        return out
+
+    return Scenario(
+        name,
+        run,
+        rows,
+        serve_args,
+        description or f"ingest, {workers} worker processes",
+        dict(serve_env or {}),
+        repeated=True,
+    )
+
+
+# -- (c) baselines: Ray actor around factoriax, raw gRPC bytes -----------------
+
+
+def ray_scenario(name: str, *, workers: int) -> Scenario:
+    def run(ctx: Context, rep: int) -> dict[str, Any]:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise Skipped("ray is not installed (pip install -r bench/requirements.txt)")
+        ray = ctx.ray()
+        from ray_recorder import NAMESPACE, FactoriaxRecorderActor
+
+        actor_name = f"factoriax-recorder-{name}-{rep}"
+        actor = (
+            ray.remote(FactoriaxRecorderActor)
+            .options(name=actor_name, namespace=NAMESPACE)
+            .remote(True, list(STATE_FIELDS))
+        )
+        actor_pid = ray.get(actor.ping.remote(), timeout=120)
+        try:
+            cpu0 = proc_cpu_s(actor_pid)
+            address = ray.get_runtime_context().gcs_address
+            specs = [
+                worker_spec(
+                    ctx,
+                    "ray",
+                    i,
+                    ray_address=address,
+                    ray_namespace=NAMESPACE,
+                    actor=actor_name,
+                    window=ctx.params.ray_window,
+                )
+                for i in range(workers)
+            ]
+            results, go_ns, machine = run_workers(specs, ctx.tmp / f"{name}-{rep}")
+            out = aggregate(ctx, results, go_ns, machine)
+            out["actor_cpu_s"] = proc_cpu_s(actor_pid) - cpu0
+            out["actor"] = ray.get(actor.stats.remote(), timeout=120)
+            out["window"] = ctx.params.ray_window
+            return out
+        finally:
+            ray.kill(actor)
+
+    return Scenario(
+        name, run, description=f"Ray actor wrapping factoriax, {workers} workers", repeated=True
+    )
+
+
+def raw_scenario(name: str, *, workers: int) -> Scenario:
+    def run(ctx: Context, rep: int) -> dict[str, Any]:
+        d = ctx.tmp / f"{name}-{rep}"
+        d.mkdir(parents=True, exist_ok=True)
+        server = RawGrpcServer(d / "server.log")
+        try:
+            cpu0 = server.cpu_s()
+            specs = [worker_spec(ctx, "raw", i, target=server.address) for i in range(workers)]
+            results, go_ns, machine = run_workers(specs, d)
+            out = aggregate(ctx, results, go_ns, machine)
+            out["server_cpu_s"] = server.cpu_s() - cpu0
+            out["server_vm"] = server.status()
+            return out
+        finally:
+            server.stop()
+
+    return Scenario(
+        name, run, description=f"raw gRPC bytes stream, {workers} workers", repeated=True
+    )
+
+
+# -- (d) finish() ---------------------------------------------------------------
+
+
+def run_finish(ctx: Context, rep: int = 0) -> dict[str, Any]:
+    from reference import load_reference_recorder, reference_arrays
+
+    from recorder_client import RolloutRecorder
+
+    p = ctx.params
+    per_chunk = p.length * p.num_envs * p.finish_done_prob
+    n_chunks = math.ceil(p.finish_episodes / per_chunk * 1.03)
+    pool = make_pool(
+        n_chunks, length=p.length, num_envs=p.num_envs, seed=7, done_prob=p.finish_done_prob
+    )
+    raw = sum(c.raw_bytes for c in pool)
+    dones = int(sum(int(c.rollout.done.sum()) for c in pool))
+    out: dict[str, Any] = {"chunks": n_chunks, "raw_bytes": raw, "done_flags": dones}
+    calls = ctx.params.finish_calls
+    ref_cls, _ = load_reference_recorder()
+    ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS))
+    for c in pool:
+        ref.record(c.rollout, c.states)
+    server = ctx.server("finish")
+    try:
+        rec = RolloutRecorder(
+            record_states=True,
+            state_fields=list(STATE_FIELDS),
+            target=server.address,
+            session="finish",
+            worker_id="finish",
+            max_bytes_in_flight=max(1 << 30, int(raw * 1.1)),
+        )
+        for c in pool:
+            rec.record(c.rollout, c.states)
+        rec.flush()
+        out["server_vm_before"] = server.status()
+        # Remote and in-process calls alternate, so both see the same background load.
+        remote_s: list[float] = []
+        inprocess_s: list[float] = []
+        busy: list[dict[str, float]] = []
+        ours = theirs = None
+        for _ in range(calls):
+            for side, times in (("remote", remote_s), ("inprocess", inprocess_s)):
+                cpu0 = machine_snapshot()
+                t0 = time.perf_counter_ns()
+                got = rec.finish() if side == "remote" else ref.finish()
+                times.append((time.perf_counter_ns() - t0) / 1e9)
+                busy.append({"side": side, **machine_window(cpu0, machine_snapshot(), times[-1])})
+                if side == "remote" and ours is None:
+                    ours = got
+                elif side == "inprocess" and theirs is None:
+                    theirs = got
+                del got
+                gc.collect()
+        out["server_vm_after"] = server.status()
+        out["status"] = session_status(server.address, "finish")
+        rec.close()
+    finally:
+        server.stop()
+    out["remote_runs_s"] = remote_s
+    out["inprocess_runs_s"] = inprocess_s
+    out["machine"] = busy
+    out["remote_s"] = float(np.median(remote_s))
+    out["inprocess_s"] = float(np.median(inprocess_s))
+    assert ours is not None and theirs is not None
+
+    # Equality, once, outside the timed region.
+    ref_fields = reference_arrays(theirs)
+    our_fields = ours.fields
+    mismatches = []
+    if set(ref_fields) != set(our_fields):
+        mismatches.append(f"fields {sorted(our_fields)} vs {sorted(ref_fields)}")
+    for key in sorted(set(ref_fields) & set(our_fields)):
+        a, b = our_fields[key], ref_fields[key]
+        if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
+            mismatches.append(f"{key}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}")
+    out["matched"] = not mismatches
+    out["mismatches"] = mismatches
+    out["episodes"] = int(ours.num_episodes)
+    out["max_length"] = int(ours.max_length)
+    out["result_bytes"] = int(sum(a.nbytes for a in our_fields.values()))
+    del ours, theirs, ref, our_fields, ref_fields
+    gc.collect()
+    return out
+
+
+def rows_finish(results: dict[str, dict[str, Any]]) -> list[Row]:
+    r = results.get("finish")
+    if not r:
+        return []
+    return [
+        Row(
+            "finish()",
+            f"finish() s (median of {len(r['remote_runs_s'])}), {r['episodes']:,} episodes "
+            f"x T_max {r['max_length']} "
+            f"({r['result_bytes'] / MB:.0f} MB result; equal: {'yes' if r['matched'] else 'NO'})",
+            r["remote_s"],
+            r["inprocess_s"],
+            "factoriax in-process finish()",
+            "s",
+            "lower",
+            digits=2,
+        )
+    ]
+
+
+# -- the registry ---------------------------------------------------------------
+# SCENARIOS run by default, in this order (repeated ones in interleaved rounds).
+# OPTIONAL_SCENARIOS run only when named: `--only NAME` or `--with NAME`.
+
+SCENARIOS: list[Scenario] = [
+    Scenario("latency", run_latency, rows_latency, description="record() caller latency"),
+    Scenario("finish", run_finish, rows_finish, description="finish() on >= 20k episodes"),
+    ingest_scenario("ingest_1w", workers=1),
+    ingest_scenario("ingest_4w", workers=4),
+    ingest_scenario("ingest_8w", workers=8),
+    raw_scenario("raw_grpc_1w", workers=1),
+    raw_scenario("raw_grpc_4w", workers=4),
+    ray_scenario("ray_1w", workers=1),
+    ray_scenario("ray_4w", workers=4),
+]
+
+OPTIONAL_SCENARIOS: list[Scenario] = [
+    # Diagnostic: does glibc's malloc keep the server's freed decode buffers? (same code,
+    # only the server's environment differs; compare the memory rows with ingest_4w).
+    ingest_scenario(
+        "ingest_4w_mmap_threshold",
+        workers=4,
+        serve_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
+        description="ingest, 4 workers, server with a fixed glibc mmap threshold",
+    ),
+    # Later rows, once `serve` has the flags (names here are placeholders):
+    # ingest_scenario("ingest_4w_store_off", workers=4, serve_args=("--no-store",),
+    #                 compare_to="ingest_4w"),
+    # ingest_scenario("ingest_4w_metrics_off", workers=4, serve_args=("--no-metrics",),
+    #                 compare_to="ingest_4w"),
+    # ingest_scenario("ingest_4w_wal_fsync_always", workers=4,
+    #                 serve_args=("--wal-fsync", "always"), compare_to="ingest_4w"),
+]

@@ -1,0 +1,200 @@
+"""Crash safety: the write-ahead log of everything that changes a session, checkpoints,
+and recovery (newest good checkpoint, then the log after it).
+
+Data directory layout: `wal/` (segments, see wal.py) and `checkpoints/`
+(`ckpt-<wal index>.rrc`, see checkpoint.py). A checkpoint holds every session
+(snapshot.py) and the log index it covers; the log is truncated behind it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import struct
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import snapshot
+from .checkpoint import CheckpointDirectory
+from .wal import WriteAheadLog, replay
+
+logger = logging.getLogger(__name__)
+
+KIND_JOIN = b"J"
+KIND_CHUNK = b"C"
+KIND_RESET = b"R"
+KIND_EPISODE = b"E"
+_KINDS = (KIND_JOIN, KIND_CHUNK, KIND_RESET, KIND_EPISODE)
+
+
+def encode_record(kind: bytes, session: str, worker: str, payload: bytes) -> bytes:
+    s, w = session.encode(), worker.encode()
+    return b"".join([kind, struct.pack("<HH", len(s), len(w)), s, w, payload])
+
+
+def decode_record(data: bytes) -> tuple[bytes, str, str, bytes]:
+    kind = data[:1]
+    if kind not in _KINDS:
+        raise ValueError(f"log record: unknown kind {kind!r}")
+    ls, lw = struct.unpack_from("<HH", data, 1)
+    s = data[5 : 5 + ls].decode()
+    w = data[5 + ls : 5 + ls + lw].decode()
+    return kind, s, w, data[5 + ls + lw :]
+
+
+def is_disk_full(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+@dataclass(frozen=True)
+class DurabilityOptions:
+    """How the server keeps what it acknowledged."""
+
+    # False: no log, no checkpoints (the embedded default's throwaway data dir).
+    enabled: bool = True
+    # "always": fsync before each ack; "batch": fsync at most every batch_window_s
+    # (a power failure can lose that window; a process kill loses nothing);
+    # "never": leave write-back to the OS.
+    fsync: str = "batch"
+    batch_window_s: float = 0.05
+    # Seconds between timed checkpoints; 0 disables the timer.
+    checkpoint_every_s: float = 0.0
+    # Checkpoints kept on disk.
+    keep: int = 3
+    segment_bytes: int = 64 << 20
+
+
+@dataclass
+class RecoveryReport:
+    checkpoint: str | None = None
+    sessions: int = 0
+    skipped_checkpoints: list[tuple[str, str]] = field(default_factory=list)
+    replayed_records: int = 0
+    dropped_bytes: int = 0
+    dropped_records: int = 0
+    dropped_segment: str | None = None
+    corruptions: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = []
+        for path, reason in self.skipped_checkpoints:
+            out.append(f"skipped checkpoint {path}: {reason}")
+        if self.checkpoint:
+            out.append(f"loaded checkpoint {self.checkpoint} ({self.sessions} sessions)")
+        out.append(f"replayed {self.replayed_records} log records")
+        if self.dropped_bytes or self.dropped_records:
+            out.append(
+                f"dropped a torn log tail: {self.dropped_records} record(s), "
+                f"{self.dropped_bytes} bytes in {self.dropped_segment}"
+            )
+        out.extend(f"log corruption: {c}" for c in self.corruptions)
+        return out
+
+
+class Durability:
+    def __init__(self, data_dir: str | Path, options: DurabilityOptions) -> None:
+        self.options = options
+        self.root = Path(data_dir)
+        self.checkpoints = CheckpointDirectory(self.root / "checkpoints")
+        self.wal: WriteAheadLog | None = None
+        self._timer: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._checkpoint_lock = threading.Lock()
+
+    # -- recovery ----------------------------------------------------------
+    def recover(self, service: Any) -> RecoveryReport:
+        report = RecoveryReport()
+        newest = self.checkpoints.newest_good()
+        report.skipped_checkpoints = [(str(p), str(r)) for p, r in newest.skipped]
+        cut = 0
+        if newest.payload is not None:
+            meta, blobs = snapshot.unpack(newest.payload)
+            cut = int(meta["wal_next_index"])
+            for entry in meta["sessions"]:
+                service.restore_session(
+                    json.loads(bytes(blobs[entry["meta"]])), blobs_of(entry, blobs)
+                )
+            report.checkpoint = str(newest.path)
+            report.sessions = len(meta["sessions"])
+        wal_dir = self.root / "wal"
+        result = replay(wal_dir, start_index=cut)
+        for _index, record in result:
+            service.apply_record(bytes(record))
+            report.replayed_records += 1
+        report.dropped_bytes = result.dropped_bytes
+        report.dropped_records = result.dropped_records
+        report.dropped_segment = (
+            None if result.dropped_segment is None else str(result.dropped_segment)
+        )
+        report.corruptions = [str(c) for c in result.corruptions]
+        self.wal = WriteAheadLog(
+            wal_dir,
+            fsync=self.options.fsync,
+            batch_window_s=self.options.batch_window_s,
+            segment_bytes=self.options.segment_bytes,
+            start_index=max(cut, result.next_index),
+        )
+        service.drain_feeders()
+        return report
+
+    # -- writing -----------------------------------------------------------
+    def journal(self, record: bytes) -> None:
+        assert self.wal is not None
+        self.wal.append(record)
+
+    def checkpoint(self, service: Any) -> tuple[Path, int]:
+        """Write every session atomically, then drop the log behind it."""
+        assert self.wal is not None
+        with self._checkpoint_lock:
+            with ExitStack() as stack:
+                sessions = service.lock_all(stack)
+                cut = self.wal.next_index
+                entries, blobs = [], []
+                for session in sessions:
+                    meta, session_blobs = snapshot.session_state(session)
+                    first = len(blobs) + 1
+                    blobs.append(json.dumps(meta).encode())
+                    blobs.extend(session_blobs)
+                    entries.append(
+                        {"meta": first - 1, "first_blob": first, "count": len(session_blobs)}
+                    )
+            payload = snapshot.pack({"wal_next_index": cut, "sessions": entries}, blobs)
+            path = self.checkpoints.save(payload, cut, compress=False)
+            self.checkpoints.keep(self.options.keep)
+            # Keep the log back to the oldest kept checkpoint: if the newer ones turn
+            # out unreadable, recovery falls back to it and still replays everything.
+            kept = self.checkpoints.checkpoints()
+            self.wal.truncate_before(kept[0][0] if kept else cut)
+        logger.info("checkpoint %s (%d sessions, log index %d)", path, len(entries), cut)
+        return path, cut
+
+    def start_timer(self, service: Any) -> None:
+        every = self.options.checkpoint_every_s
+        if every <= 0:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(every):
+                try:
+                    self.checkpoint(service)
+                except OSError as exc:
+                    logger.error("timed checkpoint failed: %s", exc)
+
+        self._timer = threading.Thread(target=loop, name="checkpointer", daemon=True)
+        self._timer.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join(timeout=30)
+        if self.wal is not None:
+            self.wal.close()
+
+
+def blobs_of(entry: dict[str, Any], blobs: list[memoryview]) -> list[memoryview]:
+    first, count = int(entry["first_blob"]), int(entry["count"])
+    return blobs[first : first + count]

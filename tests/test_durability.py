@@ -1,0 +1,361 @@
+"""Crash safety with real processes, real signals and real files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import wait_for
+from reference_model import ReferenceRecorder
+
+from recorder_client import ResourceExhaustedError, RolloutRecorder
+from recorder_server.synthetic import SyntheticVecEnv
+
+FIELDS = ["player_positions", "player_inventory"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`rollout-recorder serve` on a fixed address, restartable on the same data dir."""
+
+    def __init__(self, data_dir: Path, *extra: str, port: int | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+        self.stderr_path = data_dir.parent / f"server-{self.port}.log"
+
+    def start(self) -> Server:
+        self.log = open(self.stderr_path, "a")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "recorder_server",
+                "serve",
+                "--listen",
+                self.address,
+                "--data-dir",
+                str(self.data_dir),
+                "--checkpoint-every",
+                "0",
+                *self.extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        assert line.startswith("rollout-recorder listening on"), line
+        return self
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+
+    def stop(self) -> int:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+            self.proc.stdout.close()
+            self.log.close()
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+
+@pytest.fixture
+def durable(tmp_path):
+    servers = []
+
+    def make(*extra, port=None):
+        server = Server(tmp_path / "data", *extra, port=port)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        if server.proc and server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    from recorder_client import RolloutRecorder
+    from recorder_server.synthetic import SyntheticVecEnv
+    target, seed, chunks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    env = SyntheticVecEnv(8, seed=seed, done_prob=0.02)
+    with RolloutRecorder(record_states=True, state_fields={fields!r}, target=target,
+                         session="crash", worker_id=f"w{{seed}}", reconnect_timeout=120,
+                         max_bytes_in_flight=1 << 20) as rec:
+        for i in range(chunks):
+            rec.record(*env.collect(32))
+            time.sleep(0.01)
+    print("done", flush=True)
+    """
+).format(fields=FIELDS)
+
+
+def expected_for(seed: int, chunks: int) -> dict:
+    ref = ReferenceRecorder(record_states=True, state_fields=FIELDS)
+    env = SyntheticVecEnv(8, seed=seed, done_prob=0.02)
+    for _ in range(chunks):
+        ref.record(*env.collect(32))
+    return ref.finish()
+
+
+def assert_matches_fault_free(out, chunks: int, workers: int) -> None:
+    """Every worker's rows equal a fault-free in-process recording of its chunks."""
+    workers_seen = sorted(w for w in out.worker_ids if w.startswith("w"))
+    assert workers_seen == [f"w{i}" for i in range(workers)]
+    total = 0
+    for index, worker_id in enumerate(out.worker_ids):
+        if not worker_id.startswith("w"):
+            continue
+        exp = expected_for(int(worker_id[1:]), chunks)
+        rows = out.episode_worker == index
+        assert rows.sum() == exp["actions"].shape[0], worker_id
+        for name in ("actions", "rewards", "positions", "player_inventory"):
+            got = out.fields[name][rows][:, : exp[name].shape[1]]
+            assert got.tobytes() == exp[name].tobytes(), (worker_id, name)
+        assert np.array_equal(out.lengths[rows], exp["lengths"])
+        total += int(rows.sum())
+    assert total == out.num_episodes
+
+
+def test_kill_9_while_four_workers_stream_loses_nothing(durable):
+    server = durable().start()
+    chunks = 60
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, server.address, str(i), str(chunks)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    with RolloutRecorder(
+        record_states=True,
+        state_fields=FIELDS,
+        target=server.address,
+        session="crash",
+        worker_id="viewer",
+    ) as viewer:
+        assert wait_for(lambda: viewer.status().chunks_stored >= 40, timeout=60)
+        stored_before = viewer.status().chunks_stored
+    assert stored_before < 4 * chunks, "the workers finished before the crash"
+    server.kill9()
+    time.sleep(0.5)
+    server.start()  # same port, same data directory
+    for p in procs:
+        assert p.wait(120) == 0
+        assert p.stdout.read().strip() == "done"
+        p.stdout.close()
+    with RolloutRecorder(
+        record_states=True,
+        state_fields=FIELDS,
+        target=server.address,
+        session="crash",
+        worker_id="viewer",
+    ) as viewer:
+        status = viewer.status()
+        assert status.chunks_stored == 4 * chunks
+        out = viewer.finish()
+    assert_matches_fault_free(out, chunks, 4)
+    assert "replayed" in server.stderr()
+
+
+def record_chunks(target, n, seed=0, session="s"):
+    rng = np.random.default_rng(seed)
+    chunks = []
+    with RolloutRecorder(target=target, session=session, worker_id="one") as rec:
+        for _ in range(n):
+            c = {
+                "action": rng.integers(0, 12, (16, 4)).astype(np.int32),
+                "reward": rng.random((16, 4)).astype(np.float32),
+                "done": rng.random((16, 4)) < 0.1,
+            }
+            rec.record(c)
+            chunks.append(c)
+        rec.flush()
+    return chunks
+
+
+def reference(chunks):
+    ref = ReferenceRecorder()
+    for c in chunks:
+        ref.record(c)
+    return ref.finish()
+
+
+def test_torn_log_tail_is_dropped_and_reported(durable):
+    server = durable("--wal-fsync", "always").start()
+    chunks = record_chunks(server.address, 6)
+    server.kill9()
+    segments = sorted((server.data_dir / "wal").glob("wal-*.log"))
+    last = segments[-1]
+    size = last.stat().st_size
+    with open(last, "r+b") as fh:
+        fh.truncate(size - 10)  # mid-way through the last record
+    server.start()
+    log = server.stderr()
+    assert "dropped a torn log tail: 1 record(s)" in log
+    with RolloutRecorder(target=server.address, session="s", worker_id="one") as rec:
+        assert rec.status().chunks_stored == 5  # everything else is kept
+        out = rec.finish()
+    exp = reference(chunks[:5])
+    assert out.actions.tobytes() == exp["actions"].tobytes()
+
+
+def test_corrupt_newest_checkpoint_is_skipped_and_nothing_is_lost(durable):
+    server = durable().start()
+    rng_chunks = []
+    with RolloutRecorder(target=server.address, session="s", worker_id="one") as rec:
+        rng = np.random.default_rng(1)
+        for round_ in range(3):
+            for _ in range(4):
+                c = {
+                    "action": rng.integers(0, 12, (16, 4)).astype(np.int32),
+                    "reward": rng.random((16, 4)).astype(np.float32),
+                    "done": rng.random((16, 4)) < 0.1,
+                }
+                rec.record(c)
+                rng_chunks.append(c)
+            if round_ < 2:
+                rec.checkpoint()
+        rec.flush()
+    server.kill9()
+    ckpts = sorted((server.data_dir / "checkpoints").glob("ckpt-*.rrc"))
+    assert len(ckpts) == 2
+    newest = ckpts[-1]
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    server.start()
+    log = server.stderr()
+    assert f"skipped checkpoint {newest}" in log and "sha256" in log
+    assert f"loaded checkpoint {ckpts[0]}" in log
+    with RolloutRecorder(target=server.address, session="s", worker_id="one") as rec:
+        assert rec.status().chunks_stored == 12
+        out = rec.finish()
+    assert out.actions.tobytes() == reference(rng_chunks)["actions"].tobytes()
+
+
+def test_sigterm_checkpoints_and_restart_needs_no_replay(durable):
+    server = durable().start()
+    chunks = record_chunks(server.address, 5)
+    assert server.stop() == 0
+    assert list((server.data_dir / "checkpoints").glob("ckpt-*.rrc"))
+    server.start()
+    assert "replayed 0 log records" in server.stderr()
+    with RolloutRecorder(target=server.address, session="s", worker_id="one") as rec:
+        assert rec.finish().actions.tobytes() == reference(chunks)["actions"].tobytes()
+
+
+def test_runtime_state_moves_a_session_to_a_fresh_server(durable, tmp_path):
+    first = durable().start()
+    chunks = record_chunks(first.address, 4, seed=5)
+    with RolloutRecorder(target=first.address, session="s", worker_id="one") as rec:
+        state = rec.runtime_state()
+    second = Server(tmp_path / "other").start()
+    try:
+        with RolloutRecorder(target=second.address, session="s", worker_id="one") as rec:
+            rec.load_runtime_state(state)
+            assert rec.num_recorded_steps == 64
+            more = np.random.default_rng(9)
+            extra = {
+                "action": more.integers(0, 12, (16, 4)).astype(np.int32),
+                "reward": more.random((16, 4)).astype(np.float32),
+                "done": more.random((16, 4)) < 0.1,
+            }
+            rec.record(extra)  # carries on with the next sequence number
+            out = rec.finish()
+        assert out.actions.tobytes() == reference(chunks + [extra])["actions"].tobytes()
+        with RolloutRecorder(target=second.address, session="s", worker_id="one") as rec:
+            with pytest.raises(ValueError, match="runtime state"):
+                rec.load_runtime_state(state[:-7])
+    finally:
+        second.stop()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_refuses_with_resource_exhausted_and_resumes(durable, small_fs):
+    server = Server(small_fs / "data", "--wal-fsync", "always").start()
+    filler = small_fs / "filler"
+    try:
+        rng = np.random.default_rng(2)
+
+        def chunk():  # incompressible: about 160 KB on the wire
+            return {
+                "action": rng.integers(0, 1 << 62, (256, 64), dtype=np.int64),
+                "reward": np.zeros((256, 64), np.float32),
+                "done": np.zeros((256, 64), bool),
+            }
+
+        sent = []
+        with RolloutRecorder(target=server.address, session="full", worker_id="one") as rec:
+            for _ in range(3):
+                sent.append(chunk())
+                rec.record(sent[-1])
+            rec.flush()
+            # Leave less room than one chunk needs.
+            free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+            filler.write_bytes(b"\0" * max(0, free - 64 * 1024))
+            sent.append(chunk())
+            rec.record(sent[-1])
+            with pytest.raises(ResourceExhaustedError, match="write-ahead log"):
+                rec.flush(timeout=30)
+            with pytest.raises(ResourceExhaustedError):
+                rec.finish()  # never a result that silently lacks the held chunk
+            # What was acknowledged is intact.
+            with RolloutRecorder(target=server.address, session="full") as viewer:
+                assert viewer.status().chunks_stored == 3
+                out = viewer.finish()
+            assert out.actions.tobytes() == reference(sent[:3])["actions"].tobytes()
+            filler.unlink()  # space is back: the held chunk goes through by itself
+
+            def flushed() -> bool:
+                try:
+                    rec.flush(timeout=5)
+                    return True
+                except ResourceExhaustedError:
+                    return False
+
+            assert wait_for(flushed, timeout=60)
+            sent.append(chunk())
+            rec.record(sent[-1])
+            out = rec.finish()
+        assert out.actions.tobytes() == reference(sent)["actions"].tobytes()
+    finally:
+        server.stop()

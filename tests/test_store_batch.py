@@ -1,0 +1,309 @@
+"""Batch recording (record_episodes, record_episode_batch) against one call per episode.
+
+The hypothesis test in test_store_model.py compares random batches with sequential calls;
+these are the hand-worked cases (ties and supersession inside one batch, evictions in order),
+the grouping fallbacks, validation, and the capture processor's batch twin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recorder_client.capture_types import (
+    CellField,
+    EpisodeOutcome,
+    OutcomeRule,
+    TrajectorySliceReference,
+    TrajectoryTrainingConfiguration,
+    UtilityConfig,
+)
+from recorder_server.capture import TrajectoryCaptureProcessor, build_store
+from recorder_server.store import EpisodeArrays, EpisodeBatch, TrajectoryStore
+from recorder_server.store import batch as batch_mod
+from recorder_server.store.repository import encode_episode
+
+WIN, LOSS, DRAW = EpisodeOutcome.WIN, EpisodeOutcome.LOSS, EpisodeOutcome.DRAW
+
+
+def episode(pos, rewards=None) -> EpisodeArrays:
+    pos = np.asarray(pos, dtype=np.int32)
+    rewards = np.zeros(len(pos)) if rewards is None else rewards
+    return EpisodeArrays(
+        actions=np.arange(len(pos), dtype=np.int32) + 10,
+        rewards=np.asarray(rewards, dtype=np.float32),
+        states={"pos": pos},
+    )
+
+
+def config_1d(**kwargs) -> TrajectoryTrainingConfiguration:
+    return TrajectoryTrainingConfiguration(
+        cell_fields=(CellField("pos"),),
+        utilities=(UtilityConfig("w", gamma=0.5), UtilityConfig("l", 1.0, ("LOSS",), ())),
+        **kwargs,
+    )
+
+
+def best(store: TrajectoryStore, cell: int) -> tuple[int, int, float]:
+    info = store.cell((cell,))
+    return info.best_reference.trajectory_id, info.best_reference.step, info.best_return
+
+
+def state(store: TrajectoryStore) -> dict:
+    s = store.checkpoint_state()
+    return {
+        "counters": s["counters"],
+        "arrays": {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in s["arrays"].items()},
+        "cells": [store.cell(k) for k in store.cell_keys()],
+        "metrics": store.metrics(),
+        "ids": store.trajectory_ids(),
+        "midpoints": store.midpoint_start_counts(),
+    }
+
+
+def record_both(config, episodes, steps, outcomes, refs=None):
+    """(sequential store, batch store, sequential records, batch records)."""
+    one, many = TrajectoryStore(config, seed=0), TrajectoryStore(config, seed=0)
+    refs = refs or [None] * len(episodes)
+    expected = [
+        one.record_episode(e, step=s, outcome=o, start_reference=r)
+        for e, s, o, r in zip(episodes, steps, outcomes, refs, strict=True)
+    ]
+    got = many.record_episodes(episodes, steps=steps, outcomes=outcomes, start_references=refs)
+    return one, many, expected, got
+
+
+def test_ties_inside_one_batch_keep_the_earlier_episode():
+    episodes = [
+        episode([0, 1], [0, 1]),  # A (id 0): cumulative [0, 1]
+        episode([1, 0], [1, 0]),  # B (id 1): cumulative [1, 1]
+        episode([1], [1]),  # C (id 2): cumulative [1]
+        episode([0, 0], [0.5, 0.5]),  # D (id 3): cumulative [0.5, 1]
+    ]
+    one, many, expected, got = record_both(
+        config_1d(), episodes, [10, 20, 30, 40], [WIN, LOSS, DRAW, WIN]
+    )
+    assert got == expected
+    # Cell 1: A reaches it with 1 at step 1; B with 1 at step 0 (tie, shorter prefix: B wins);
+    # C with 1 at step 0 (a full tie with B: the earlier episode, B, stays).
+    # Cell 0: A has 0 at step 0; B has 1 at step 1 (higher: B wins); D's best step there is
+    # step 1 with 1.0 (the earliest of its maximum), a full tie with B: B stays.
+    assert best(many, 1) == (1, 0, 1.0)
+    assert best(many, 0) == (1, 1, 1.0)
+    assert [(r.trajectory_id, r.stored, r.new_cells, r.improved_cells) for r in got] == [
+        (0, True, 2, 2),
+        (1, True, 0, 2),
+        (2, False, 0, 0),
+        (3, False, 0, 0),
+    ]
+    # A was stored, then superseded in the same batch: kept, unreferenced.
+    assert many.trajectory_ids() == [0, 1]
+    m = many.metrics()
+    assert (m["repository_unreferenced"], m["repository_discarded"]) == (1, 2)
+    assert (many.cell((0,)).first_seen_step, many.cell((0,)).first_seen_offset) == (10, 0)
+    assert (many.cell((1,)).first_seen_step, many.cell((1,)).first_seen_offset) == (10, 1)
+    assert many.cell((0,)).visits == 1 + 1 + 2 and many.cell((1,)).visits == 3
+    assert state(many) == state(one)
+
+
+def test_later_episode_in_the_batch_beats_an_earlier_one():
+    episodes = [
+        episode([5, 6], [1, 0]),  # id 0: cell 6 at (1.0, step 1)
+        episode([6], [1]),  # id 1: cell 6 at (1.0, step 0): shorter prefix wins
+        episode([7, 6], [1, 0.5]),  # id 2: cell 6 at (1.5, step 1): higher return wins
+        episode([6], [1.5]),  # id 3: cell 6 at (1.5, step 0): shorter again
+        episode([6, 6], [1.5, 0]),  # id 4: a full tie with id 3: id 3 stays
+    ]
+    one, many, expected, got = record_both(config_1d(), episodes, [0] * 5, [WIN] * 5)
+    assert got == expected
+    assert best(many, 6) == (3, 0, 1.5)
+    assert [r.improved_cells for r in got] == [2, 1, 2, 1, 0]
+    assert state(many) == state(one)
+
+
+def test_evictions_happen_in_sequence_order_inside_a_batch():
+    a = episode([0, 1], [0, 0])
+    b = episode([0, 1], [1, 1])  # takes both of A's cells: A unreferenced
+    c = episode([0, 1], [2, 2])  # takes both of B's cells: B unreferenced
+    d = episode(np.arange(100, 160), np.ones(60))  # 60 new cells, a big blob
+    sa, sb, sc, sd = (len(encode_episode(e)) for e in (a, b, c, d))
+    config = config_1d(repository_capacity_bytes=sb + sc + sd)
+    one, many, expected, got = record_both(config, [a, b, c, d], [0, 1, 2, 3], [WIN] * 4)
+    assert got == expected
+    # Adding D goes over the cap: A (the oldest unreferenced) goes, then it fits.
+    assert many.trajectory_ids() == [1, 2, 3]
+    m = many.metrics()
+    assert (m["repository_evictions"], m["repository_bytes"]) == (1, sb + sc + sd)
+    assert state(many) == state(one)
+
+
+def test_start_references_resolve_against_the_state_of_their_turn():
+    config = config_1d()
+    one, many = TrajectoryStore(config, seed=4), TrajectoryStore(config, seed=4)
+    first = [episode([5, 6, 7], [0, 1, 0])]
+    one.record_episode(first[0], step=0)
+    many.record_episodes(first, steps=0, outcomes=EpisodeOutcome.UNKNOWN)
+    ref = one.sample_start()[0]
+    assert many.sample_start()[0] == ref
+    episodes = [episode([8]), episode([8]), episode([9]), episode([9])]
+    refs = [ref, ref, TrajectorySliceReference(0, 2), TrajectorySliceReference(99, 0)]
+    for e, r in zip(episodes, refs, strict=True):
+        one.record_episode(e, step=1, start_reference=r)
+    many.record_episodes(episodes, steps=1, outcomes=0, start_references=refs)
+    assert many.midpoint_start_counts() == one.midpoint_start_counts()
+    assert many.metrics()["curriculum_unresolved_midpoint_starts"] == 1
+    assert state(many) == state(one)
+
+
+def test_episode_batch_and_mixed_dtypes():
+    rng = np.random.default_rng(5)
+    episodes = [episode(rng.integers(0, 9, n), rng.choice([0.0, 1.0], n)) for n in (3, 0, 7, 1)]
+    one, many, expected, got = record_both(config_1d(), episodes, [1, 2, 3, 4], [WIN] * 4)
+    concatenated = TrajectoryStore(config_1d(), seed=0)
+    batch = EpisodeBatch.from_episodes(episodes)
+    assert len(batch) == 4 and batch.offsets.tolist() == [0, 3, 3, 10, 11]
+    np.testing.assert_array_equal(batch.episode(2).states["pos"], episodes[2].states["pos"])
+    assert concatenated.record_episode_batch(batch, steps=[1, 2, 3, 4], outcomes=WIN) == got
+    assert state(concatenated) == state(many) == state(one)
+    # Different dtypes per episode: keyed episode by episode, stored as given.
+    mixed = [
+        EpisodeArrays(np.zeros(2), np.ones(2), {"pos": np.array([1.5, 2.0])}),
+        EpisodeArrays(np.zeros(2, np.int8), np.ones(2, np.int64), {"pos": np.array([1, 3])}),
+    ]
+    one, many, expected, got = record_both(config_1d(), mixed, [0, 1], [LOSS, WIN])
+    assert got == expected and state(many) == state(one)
+    with pytest.raises(ValueError, match=r"episodes\[1\]: dtypes"):
+        EpisodeBatch.from_episodes(mixed)
+
+
+def test_invalid_batch_records_nothing():
+    store = TrajectoryStore(config_1d())
+    good = episode([0, 1])
+    bad = EpisodeArrays(np.zeros(2), np.zeros(2), {"x": np.zeros(2)})
+    with pytest.raises(ValueError, match="'pos' is missing"):
+        store.record_episodes([good, good, bad], steps=0, outcomes=WIN)
+    with pytest.raises(ValueError, match="non-finite"):
+        store.record_episodes([good, episode([0, 1], [0, np.inf])], steps=0, outcomes=WIN)
+    with pytest.raises(ValueError, match="outcomes: expected 2"):
+        store.record_episodes([good, good], steps=0, outcomes=[WIN])
+    with pytest.raises(ValueError, match=r"steps\[1\]"):
+        store.record_episodes([good, good], steps=[0, "1"], outcomes=WIN)
+    with pytest.raises(ValueError, match="start_reference"):
+        store.record_episodes([good], steps=0, outcomes=WIN, start_references=[(0, 0)])
+    with pytest.raises(ValueError, match="single episode"):
+        store.record_episodes(good, steps=0, outcomes=WIN)
+    assert len(store) == 0 and store.metrics()["store_episodes"] == 0
+    assert store.record_episodes([], steps=0, outcomes=[]) == []
+    assert store.record_episode(good, step=0).trajectory_id == 0  # no id was used up
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"_DENSE_MIN": 0, "_DENSE_FACTOR": 0, "_RUN_FILTER_MIN": 0},  # np.unique grouping
+        {"_CODE_LIMIT": 0, "_RUN_FILTER_MIN": 0},  # keys as bytes
+    ],
+)
+def test_grouping_fallbacks_give_the_same_store(monkeypatch, limits):
+    config = TrajectoryTrainingConfiguration(
+        cell_fields=(CellField("p", (0,), bucket=3, name="x"), CellField("p", (1,), name="y")),
+        utilities=(UtilityConfig("w", gamma=0.9),),
+        outcome_rule=OutcomeRule("reward_sign", 0.0),
+        repository_capacity_bytes=2000,
+    )
+    rng = np.random.default_rng(11)
+
+    def ep(n, wide):
+        high = 2**62 if wide else 6
+        p = rng.integers(-high, high, (n, 2))
+        return EpisodeArrays(np.zeros(n), rng.choice([-1.0, 0.0, 1.0], n), {"p": p})
+
+    batches = [[ep(int(n), wide) for n in rng.integers(0, 30, 8)] for wide in (0, 0, 1, 0)]
+    fast = TrajectoryStore(config, seed=0)
+    for b in batches:
+        fast.record_episodes(b, steps=1, outcomes=EpisodeOutcome.UNKNOWN)
+    for name, value in limits.items():
+        monkeypatch.setattr(batch_mod, name, value)
+    slow, one = TrajectoryStore(config, seed=0), TrajectoryStore(config, seed=0)
+    for b in batches:
+        slow.record_episodes(b, steps=1, outcomes=EpisodeOutcome.UNKNOWN)
+        for e in b:
+            one.record_episode(e, step=1)
+    assert state(slow) == state(fast) == state(one)
+
+
+# -- the capture processor ------------------------------------------------------------------------
+
+CAPTURE_CONFIG = TrajectoryTrainingConfiguration(
+    cell_fields=(
+        CellField("player_positions", (0,), bucket=2, name="x"),
+        CellField("player_positions", (1,), bucket=2, name="y"),
+    ),
+    utilities=(UtilityConfig("win_proximity", gamma=0.9),),
+    outcome_rule=OutcomeRule("reward_sign", 0.5),
+)
+
+
+class NullMetrics:
+    def log_many(self, values, step):
+        pass
+
+
+def capture_episodes(seed: int, count: int) -> list[EpisodeArrays]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in rng.integers(0, 40, count):
+        out.append(
+            EpisodeArrays(
+                actions=rng.integers(0, 5, n).astype(np.int16),
+                rewards=rng.choice([0.0, 0.5, 1.0, -1.0], n).astype(np.float32),
+                states={"player_positions": rng.integers(0, 12, (n, 2)).astype(np.int32)},
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("with_store", [True, False])
+@pytest.mark.parametrize("form", ["list", "batch"])
+def test_processor_batch_matches_sequential(with_store, form):
+    config = CAPTURE_CONFIG if with_store else None
+
+    def processor() -> TrajectoryCaptureProcessor:
+        return TrajectoryCaptureProcessor(config, NullMetrics(), build_store(config, seed=2))
+
+    one, many = processor(), processor()
+    episodes = capture_episodes(3, 12)
+    outcomes = [EpisodeOutcome(i % 5) for i in range(12)]
+    refs = [None if i % 4 else TrajectorySliceReference(i, 0) for i in range(12)]
+    for i, (e, o, r) in enumerate(zip(episodes, outcomes, refs, strict=True)):
+        one.record_episode(e, {"i": float(i)}, 7, outcome=o, start_reference=r)
+    files = episodes if form == "list" else EpisodeBatch.from_episodes(episodes)
+    data = [{"i": float(i)} for i in range(12)]
+    many.record_episodes(files, data, 7, outcomes=outcomes, start_references=refs)
+    assert many.runtime_state_dict() == one.runtime_state_dict()
+    if with_store:
+        assert state(many.store) == state(one.store)
+    # Outcome codes as an int array, one step per episode.
+    again = processor()
+    codes = np.array([int(o) for o in outcomes], dtype=np.int8)
+    again.record_episodes(files, None, [7] * 12, outcomes=codes, start_references=refs)
+    assert again.runtime_state_dict() == one.runtime_state_dict()
+
+
+def test_processor_without_store_counts_only_and_validates():
+    proc = TrajectoryCaptureProcessor(None, NullMetrics(), None)
+    episodes = capture_episodes(4, 5)
+    proc.record_episodes(episodes, None, 3, outcomes=np.array([1, 1, 2, 0, 4]))
+    counters = proc.runtime_state_dict()["counters"]
+    assert counters["episodes_captured"] == 5
+    assert counters["steps_captured"] == sum(e.length for e in episodes)
+    assert (counters["outcome_win"], counters["outcome_loss"]) == (2, 1)
+    assert (counters["outcome_unknown"], counters["outcome_incomplete"]) == (1, 1)
+    before = proc.runtime_state_dict()
+    with pytest.raises(ValueError, match="unknown code 7"):
+        proc.record_episodes(episodes, None, 3, outcomes=np.array([1, 1, 7, 0, 4]))
+    with pytest.raises(ValueError, match="step"):
+        proc.record_episodes(episodes, None, "3", outcomes=WIN)
+    with pytest.raises(ValueError, match="episode_data"):
+        proc.record_episodes(episodes, [{}], 3, outcomes=WIN)
+    assert proc.runtime_state_dict() == before
