@@ -454,6 +454,7 @@ def _assemble(parts: Any) -> Trajectory:
     for part in parts:
         if part.WhichOneof("kind") == "header":
             header = part.header
+            lengths = np.asarray(header.lengths, dtype=np.int64)
             outputs = [
                 np.zeros(tuple(f.shape), dtype=codec.parse_dtype(f.dtype, f"fields[{f.name!r}]"))
                 for f in header.fields
@@ -463,8 +464,22 @@ def _assemble(parts: Any) -> Trajectory:
             raise RecorderError("Finish: the server sent data before the header")
         ap = part.array
         out = outputs[ap.field]
-        rows = int(ap.array.shape[0]) if ap.array.shape else 0
-        codec.decode_into(ap.array, out[ap.row_start : ap.row_start + rows], "Finish part")
+        lo, hi = int(ap.row_start), int(ap.row_start) + int(ap.row_count)
+        if ap.field >= len(outputs) or hi > out.shape[0]:
+            raise RecorderError(
+                f"Finish: part for rows {lo}:{hi} of field {ap.field} is out of range"
+            )
+        flat = codec.decode_array(ap.array, "Finish part")
+        row_lengths = lengths[lo:hi].tolist()
+        if flat.shape[0] != sum(row_lengths) or flat.dtype != out.dtype:
+            raise RecorderError(
+                f"Finish: part for rows {lo}:{hi}: expected {sum(row_lengths)} steps of "
+                f"{out.dtype}, got {flat.shape[0]} of {flat.dtype}"
+            )
+        offset = 0
+        for row, n in enumerate(row_lengths, lo):  # the rest of each row stays zero padding
+            out[row, :n] = flat[offset : offset + n]
+            offset += n
     if header is None:
         raise RecorderError("Finish: the server sent no header")
     names = [f.name for f in header.fields]
@@ -473,7 +488,7 @@ def _assemble(parts: Any) -> Trajectory:
         outputs[0],
         outputs[1],
         states,
-        lengths=np.asarray(header.lengths, dtype=np.int64),
+        lengths=lengths,
         episode_worker=np.asarray(header.workers, dtype=np.int64),
         episode_env=np.asarray(header.envs, dtype=np.int64),
         episode_start=np.asarray(header.starts, dtype=np.int64),

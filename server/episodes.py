@@ -8,6 +8,7 @@ environment at the done flags, environment by environment, worker by worker.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,22 +179,44 @@ class Assembly:
     # Per worker: its chunks, the result rows it owns and those rows' (env, start, end).
     per_worker: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
-    def build_field(self, spec: FieldOut) -> np.ndarray:
-        """The whole padded (B, T_max, ...) array of one field."""
-        out = np.zeros((self.num_episodes, self.max_length, *spec.trailing), dtype=spec.dtype)
-        # Casts that overflow (float64 rewards -> float32) behave as in-process, silently.
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._fill(out, spec)
-        return out
+    def field_parts(self, spec: FieldOut, part_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(first row, row count, real steps of those rows joined episode by episode).
 
-    def _fill(self, out: np.ndarray, spec: FieldOut) -> None:
+        Only real steps travel: the receiver writes them into zeros (the padding)
+        with one boolean-mask assignment per part.
+        """
+        step_bytes = max(1, int(np.prod(spec.trailing, dtype=np.int64)) * spec.dtype.itemsize)
         for chunks, rows, env, start, end in self.per_worker:
             if rows.size == 0:
                 continue
             src = field_array(chunks, spec.key, int(end.max()))
-            for row, e, s, t in zip(rows.tolist(), env.tolist(), start.tolist(), end.tolist()):
-                # Assignment casts (rewards -> float32) exactly as the in-process recorder does.
-                out[row, : t - s] = src[s:t, e]
+            lengths = end - start
+            # Cut the worker's rows into parts of at most part_bytes (at least one row).
+            cum = np.cumsum(lengths) * step_bytes
+            lo = 0
+            while lo < rows.size:
+                base = cum[lo - 1] if lo else 0
+                hi = int(np.searchsorted(cum, base + part_bytes, side="right"))
+                hi = max(hi, lo + 1)
+                yield (
+                    int(rows[lo]),
+                    hi - lo,
+                    self._gather(src, env[lo:hi], start[lo:hi], lengths[lo:hi], spec.dtype),
+                )
+                lo = hi
+
+    @staticmethod
+    def _gather(
+        src: np.ndarray, env: np.ndarray, start: np.ndarray, lengths: np.ndarray, dtype: np.dtype
+    ) -> np.ndarray:
+        # One slice per episode: faster here than a single fancy-indexed gather.
+        pieces = [
+            src[s : s + n, e] for e, s, n in zip(env.tolist(), start.tolist(), lengths.tolist())
+        ]
+        flat = np.concatenate(pieces) if pieces else src[:0, 0]
+        # The cast (rewards -> float32) is the one assignment into the padded array does.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return flat.astype(dtype, copy=False)
 
 
 class NoEpisodesError(ValueError):

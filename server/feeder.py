@@ -9,6 +9,7 @@ worker (kept while some environment's open episode still needs them).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import queue
@@ -17,10 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recorder_client.capture_types import EpisodeOutcome
-
 from .capture import TrajectoryCaptureProcessor
-from .store import EpisodeArrays
+from .store import EpisodeBatch
 
 logger = logging.getLogger(__name__)
 
@@ -177,14 +176,15 @@ class EpisodeFeeder:
         codes = item.arrays.get("outcome")
         outcomes = self._outcomes(codes, tails, env, local_start, local_end, carried)
         lengths = end - start
-
-        episodes: list[EpisodeArrays | None] = []
         if self.keeps_arrays:
             tails.chunks.append((t0, item.arrays))
             tails.held_bytes += sum(a.nbytes for a in item.arrays.values())
-            episodes = [
-                self._gather(tails, int(e), int(s), int(t)) for e, s, t in zip(env, start, end)
-            ]
+            batch, kept = self._gather(tails, env, start, end)
+        else:
+            # No store: only lengths and outcomes count, so no arrays are gathered.
+            total = int(lengths.sum())
+            batch = EpisodeBatch(np.zeros(total, np.int8), np.zeros(total, np.float32), {}, lengths)
+            kept = np.ones(env.size, dtype=bool)
 
         # Advance the open tails past this chunk.
         last_end = np.full(num_envs, -1, dtype=np.int64)
@@ -208,21 +208,9 @@ class EpisodeFeeder:
             self._trim(tails)
 
         step = item.env_steps_before
-        for i in range(env.size):
-            episode = episodes[i] if episodes else None
-            if episode is None:
-                n = int(lengths[i])
-                episode = EpisodeArrays(np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.float32))
-                if self.keeps_arrays:
-                    self.truncated_episodes += 1
-                    continue
-            self.processor.record_episode(
-                episode,
-                {"return": float(returns[i]), "length": float(lengths[i])},
-                step,
-                outcome=EpisodeOutcome(int(outcomes[i])),
-            )
         if env.size:
+            self.truncated_episodes += int(env.size - kept.sum())
+            self.processor.record_episodes(batch, None, step, outcomes=outcomes[kept])
             labels = {"session": self.session}
             self.metrics.inc("Recorder/episodes_finished", float(env.size), **labels)
             self.metrics.log_many(
@@ -253,25 +241,35 @@ class EpisodeFeeder:
         return out
 
     @staticmethod
-    def _gather(tails: _WorkerTails, e: int, s: int, t: int) -> EpisodeArrays | None:
-        pieces: dict[str, list[np.ndarray]] = {}
-        first_t0 = tails.chunks[0][0] if tails.chunks else t
-        if s < first_t0:
-            return None  # its beginning was dropped under the tail cap
-        for c_t0, arrays in tails.chunks:
-            c_len = arrays["reward"].shape[0]
-            lo, hi = max(s, c_t0), min(t, c_t0 + c_len)
-            if lo >= hi:
+    def _gather(
+        tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
+    ) -> tuple[EpisodeBatch, np.ndarray]:
+        """The finished episodes' arrays, back to back, from the held chunks.
+
+        Episodes whose beginning was dropped under the tail cap are left out (kept[i]
+        is False) rather than stored truncated.
+        """
+        held = list(tails.chunks)
+        firsts = [c_t0 for c_t0, _ in held]
+        keys = [k for k in held[-1][1] if k not in ("done", "outcome")]
+        pieces: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+        kept = np.zeros(env.size, dtype=bool)
+        for i, (e, s, t) in enumerate(zip(env.tolist(), start.tolist(), end.tolist())):
+            if s < firsts[0]:
                 continue
-            for key, arr in arrays.items():
-                if key in ("done", "outcome"):
-                    continue
-                pieces.setdefault(key, []).append(arr[lo - c_t0 : hi - c_t0, e])
-        if not pieces:
-            return None
-        joined = {k: np.concatenate(v) for k, v in pieces.items()}
+            kept[i] = True
+            c = max(bisect.bisect_right(firsts, s) - 1, 0)
+            while c < len(held) and firsts[c] < t:
+                c_t0, arrays = held[c]
+                lo, hi = max(s, c_t0) - c_t0, min(t - c_t0, arrays["reward"].shape[0])
+                if lo < hi:
+                    for k in keys:
+                        pieces[k].append(arrays[k][lo:hi, e])
+                c += 1
+        joined = {k: np.concatenate(v) if v else held[-1][1][k][:0, 0] for k, v in pieces.items()}
         states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
-        return EpisodeArrays(joined["action"], joined["reward"], states)
+        batch = EpisodeBatch(joined["action"], joined["reward"], states, (end - start)[kept])
+        return batch, kept
 
     def _trim(self, tails: _WorkerTails) -> None:
         oldest = int(tails.open_start.min()) if tails.open_start.size else 0

@@ -275,18 +275,15 @@ class RecorderService(pb_grpc.RecorderServicer):
         yield pb.FinishPart(header=header)
         part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         for index, spec in enumerate(plan.fields):
-            full = plan.build_field(spec)
-            row_bytes = max(1, full[:1].nbytes)
-            rows = max(1, part_bytes // row_bytes)
-            for start in range(0, plan.num_episodes, rows):
+            for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
                 yield pb.FinishPart(
                     array=pb.ArrayPart(
                         field=index,
-                        row_start=start,
-                        array=codec.encode_array(full[start : start + rows]),
+                        row_start=row_start,
+                        row_count=row_count,
+                        array=codec.encode_array(flat),
                     )
                 )
-            del full
 
     def Reset(self, request: pb.ResetRequest, context: grpc.ServicerContext) -> pb.ResetReply:
         try:

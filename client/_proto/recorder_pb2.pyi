@@ -173,14 +173,16 @@ class FinishHeader(_message.Message):
     def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ArrayPart(_message.Message):
-    __slots__ = ("field", "row_start", "array")
+    __slots__ = ("field", "row_start", "array", "row_count")
     FIELD_FIELD_NUMBER: _ClassVar[int]
     ROW_START_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
     field: int
     row_start: int
     array: ArrayData
-    def __init__(self, field: _Optional[int] = ..., row_start: _Optional[int] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
+    row_count: int
+    def __init__(self, field: _Optional[int] = ..., row_start: _Optional[int] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ..., row_count: _Optional[int] = ...) -> None: ...
 
 class FinishPart(_message.Message):
     __slots__ = ("header", "array")

@@ -133,9 +133,9 @@ class RecorderServicer:
     def Finish(self, request, context):
         """Build the padded trajectory from the stored episodes. Message order: one
         FinishPart with `header`, then FinishPart messages with `array` parts, each
-        part a slab of consecutive episode rows of one field, fields in the order
-        the header lists them. FAILED_PRECONDITION when nothing was recorded or no
-        episode was found.
+        the real steps of consecutive episode rows of one field (padding never
+        travels), fields in the order the header lists them. FAILED_PRECONDITION
+        when nothing was recorded or no episode was found.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -164,29 +164,51 @@ class CellArchive:
         """Best-reference replacement for a batch, episode after episode:
         ``(improved (E,), released_ep, released_tid, released_count)``."""
         num_eps = cells.num_episodes
+        order = cells.cell_order
+        c_cell = cells.pair_cell[order]
+        c_ret = cells.pair_best_return[order]
+        c_step = cells.pair_best_step[order]
+        best_traj = self.cols["best_trajectory"][ids]
+        best_ret = self.cols["best_return"][ids]
+        best_step = self.cols["best_step"][ids]
+        # A candidate that does not beat its cell's incumbent never beats the running best
+        # (which is at least the incumbent), so it neither improves the cell nor holds it:
+        # drop those, and the cells left without candidates.
+        inc_ret, inc_step = best_ret[c_cell], best_step[c_cell]
+        beats = (best_traj[c_cell] < 0) | (c_ret > inc_ret)
+        beats |= (c_ret == inc_ret) & (c_step < inc_step)
+        sel = np.flatnonzero(beats)
+        if sel.size == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return np.zeros(num_eps, dtype=np.int64), empty, empty, empty
+        order, c_cell, c_ret, c_step = order[sel], c_cell[sel], c_ret[sel], c_step[sel]
+        used = np.flatnonzero(np.bincount(c_cell, minlength=ids.shape[0]))
+        if used.shape[0] != ids.shape[0]:
+            compact = np.empty(ids.shape[0], dtype=np.int64)
+            compact[used] = np.arange(used.shape[0], dtype=np.int64)
+            c_cell = compact[c_cell]
+            ids, best_traj = ids[used], best_traj[used]
+            best_ret, best_step = best_ret[used], best_step[used]
         num_cells = ids.shape[0]
+        c_ep = cells.pair_ep[order]
         # Per cell, a segment: the incumbent (or a placeholder), then the batch's candidates
         # in episode order. A candidate improves the cell iff it beats the running best of its
         # segment so far, so a segmented running max over a rank that orders (return, -step)
         # replays the one-at-a-time replacement rule.
-        order = cells.cell_order
-        c_cell = cells.pair_cell[order]
-        c_ep = cells.pair_ep[order]
         num_pairs = order.shape[0]
         ncand = np.bincount(c_cell, minlength=num_cells)
         size = num_pairs + num_cells
         start = np.arange(num_cells, dtype=np.int64) + np.cumsum(ncand) - ncand
         cpos = np.arange(num_pairs, dtype=np.int64) + c_cell + 1
-        best_traj = self.cols["best_trajectory"][ids]
         item_tid = np.empty(size, dtype=np.int64)
         item_tid[start] = best_traj
         item_tid[cpos] = first_trajectory_id + c_ep
         item_ret = np.empty(size, dtype=np.float64)
-        item_ret[start] = self.cols["best_return"][ids]
-        item_ret[cpos] = cells.pair_best_return[order]
+        item_ret[start] = best_ret
+        item_ret[cpos] = c_ret
         item_step = np.empty(size, dtype=np.int64)
-        item_step[start] = self.cols["best_step"][ids]
-        item_step[cpos] = cells.pair_best_step[order]
+        item_step[start] = best_step
+        item_step[cpos] = c_step
         valid = np.ones(size, dtype=bool)
         valid[start] = best_traj >= 0
         rank = np.zeros(size, dtype=np.int64)
