@@ -26,6 +26,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -r bench/requirements.txt
+	$(PY) bench/run.py
+
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 

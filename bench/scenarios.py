@@ -90,6 +90,7 @@ class Context:
     ) -> RecorderServer:
         d = self.tmp / name
         d.mkdir(parents=True, exist_ok=True)
+        extra = tuple(a.replace("{tmp}", str(d)) for a in extra)
         return RecorderServer(d / "data", [*extra, *self.serve_args], d / "server.log", env)
 
     def ray(self) -> Any:
@@ -463,6 +464,7 @@ def ingest_scenario(
     compression_level: int = 1,
     serve_env: dict[str, str] | None = None,
     description: str = "",
+    capture: bool = False,
 ) -> Scenario:
     """`workers` processes record `ingest_chunks` chunks each into one session.
 
@@ -483,6 +485,7 @@ def ingest_scenario(
                     target=server.address,
                     session="ingest",
                     compression_level=compression_level,
+                    capture=capture,
                 )
                 for i in range(workers)
             ]
@@ -778,6 +781,57 @@ SCENARIOS: list[Scenario] = [
     raw_scenario("raw_grpc_4w", workers=4),
     ray_scenario("ray_1w", workers=1),
     ray_scenario("ray_4w", workers=4),
+    # Issue rows: each compared with ingest_4w (the defaults: no store, metrics on,
+    # write-ahead log with fsync "batch").
+    ingest_scenario(
+        "ingest_4w_store_on",
+        workers=4,
+        capture=True,
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, trajectory store on (2 cell fields, 1 utility)",
+    ),
+    ingest_scenario(
+        "ingest_4w_no_metrics",
+        workers=4,
+        serve_args=("--no-metrics",),
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, server keeping no metrics",
+    ),
+    ingest_scenario(
+        "ingest_4w_all_sinks",
+        workers=4,
+        serve_args=(
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--tensorboard-dir",
+            "{tmp}/tb",
+            "--metrics-jsonl",
+            "{tmp}/metrics.jsonl",
+        ),
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, Prometheus + TensorBoard + JSONL sinks on",
+    ),
+    ingest_scenario(
+        "ingest_4w_fsync_always",
+        workers=4,
+        serve_args=("--wal-fsync", "always"),
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, write-ahead log fsync before every ack",
+    ),
+    ingest_scenario(
+        "ingest_4w_fsync_never",
+        workers=4,
+        serve_args=("--wal-fsync", "never"),
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, write-ahead log without fsync",
+    ),
+    ingest_scenario(
+        "ingest_4w_no_wal",
+        workers=4,
+        serve_args=("--no-wal",),
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, no write-ahead log at all",
+    ),
 ]
 
 OPTIONAL_SCENARIOS: list[Scenario] = [

@@ -70,9 +70,22 @@ def wait_for_go() -> None:
 def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     from recorder_client import RolloutRecorder
 
+    capture = None
+    if spec.get("capture"):
+        # The store row: 2 cell fields from positions (bucket 4), 1 utility.
+        from recorder_client import CellField, TrajectoryTrainingConfiguration, UtilityConfig
+
+        capture = TrajectoryTrainingConfiguration(
+            cell_fields=(
+                CellField("player_positions", (0, 0), bucket=4, name="x"),
+                CellField("player_positions", (0, 1), bucket=4, name="y"),
+            ),
+            utilities=(UtilityConfig("win_proximity", gamma=0.99),),
+        )
     rec = RolloutRecorder(
         record_states=True,
         state_fields=list(STATE_FIELDS),
+        capture=capture,
         target=spec["target"],
         session=spec["session"],
         worker_id=spec["worker_id"],

@@ -68,13 +68,17 @@ def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
         yield pb.FilePart(data=bytes(view[offset : offset + _PART_BYTES]))
 
 
-def join_parts(parts: Iterator[pb.FilePart]) -> CheckpointFile | None:
-    first = next(iter(parts), None)
+def read_parts(parts: Iterator[pb.FilePart]) -> tuple[pb.FilePart | None, bytes]:
+    """The first part (metadata) and the joined bytes; checks the declared size and sha256."""
+    parts = iter(parts)
+    first = next(parts, None)
     if first is None or first.empty:
-        return None
+        return first, b""
     buf = bytearray(first.data)
     for part in parts:
         buf += part.data
+        if len(buf) > first.size:
+            break
     data = bytes(buf)
     digest = hashlib.sha256(data).hexdigest()
     if len(data) != first.size or digest != first.sha256:
@@ -82,7 +86,14 @@ def join_parts(parts: Iterator[pb.FilePart]) -> CheckpointFile | None:
             f"file {first.name!r}: expected {first.size} bytes with sha256 {first.sha256}, "
             f"got {len(data)} bytes with sha256 {digest}"
         )
-    return CheckpointFile(name=first.name, size=len(data), sha256=digest, data=data)
+    return first, data
+
+
+def join_parts(parts: Iterator[pb.FilePart]) -> CheckpointFile | None:
+    first, data = read_parts(parts)
+    if first is None or first.empty:
+        return None
+    return CheckpointFile(name=first.name, size=len(data), sha256=first.sha256, data=data)
 
 
 class RemoteCapture:

@@ -13,7 +13,7 @@ import grpc
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .durability import Durability, DurabilityOptions, RecoveryReport
-from .metrics import MetricsConfig, MetricsTracker
+from .metrics import MetricsConfig, MetricsTracker, NullMetrics
 from .security import (
     RECORDER_SERVICE_NAME,
     TokenAuthInterceptor,
@@ -43,6 +43,8 @@ class ServerOptions:
     max_message_bytes: int = 256 << 20
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # False: keep no metrics at all (the baseline the metrics cost is measured against).
+    metrics_enabled: bool = True
     # HOST:PORT for the Prometheus endpoint, or None for no endpoint.
     metrics_listen: str | None = None
     # File holding the token every call must carry; None: no token required.
@@ -103,7 +105,7 @@ def start_server(options: ServerOptions) -> RunningServer:
     credentials = None
     if options.tls_cert is not None:
         credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
-    metrics = MetricsTracker(options.metrics)
+    metrics = MetricsTracker(options.metrics) if options.metrics_enabled else NullMetrics()
     metrics_address = None
     if options.metrics_listen:
         host, _, port = options.metrics_listen.rpartition(":")

@@ -51,6 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             jsonl_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
         ),
         metrics_listen=args.metrics_listen,
+        metrics_enabled=not args.no_metrics,
         durability=DurabilityOptions(
             enabled=not args.no_wal,
             fsync=args.wal_fsync,
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     metrics = serve.add_argument_group("metrics")
     metrics.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus endpoint")
+    metrics.add_argument(
+        "--no-metrics", action="store_true", help="keep no metrics (to measure what they cost)"
+    )
     metrics.add_argument("--tensorboard-dir", metavar="DIR", help="TensorBoard event files")
     metrics.add_argument("--metrics-jsonl", metavar="FILE", help="JSON lines of metric values")
     metrics.add_argument(

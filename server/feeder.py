@@ -124,7 +124,11 @@ class EpisodeFeeder:
                 oldest = int(tails.open_start.min())
                 for chunk in timeline.chunks:
                     if chunk.t0 + chunk.length > oldest:
-                        decoded = {k: a.decode() for k, a in chunk.arrays.items()}
+                        decoded = {
+                            k: np.ascontiguousarray(np.swapaxes(a.decode(), 0, 1))
+                            for k, a in chunk.arrays.items()
+                            if k != "done"
+                        }
                         tails.chunks.append((chunk.t0, decoded))
                         tails.held_bytes += sum(a.nbytes for a in decoded.values())
             self._workers[index] = tails
@@ -177,8 +181,14 @@ class EpisodeFeeder:
         outcomes = self._outcomes(codes, tails, env, local_start, local_end, carried)
         lengths = end - start
         if self.keeps_arrays:
-            tails.chunks.append((t0, item.arrays))
-            tails.held_bytes += sum(a.nbytes for a in item.arrays.values())
+            # Env-major copies: each episode's steps are then contiguous to gather.
+            held = {
+                k: np.ascontiguousarray(np.swapaxes(a, 0, 1))
+                for k, a in item.arrays.items()
+                if k not in ("done", "outcome")
+            }
+            tails.chunks.append((t0, held))
+            tails.held_bytes += sum(a.nbytes for a in held.values())
             batch, kept = self._gather(tails, env, start, end)
         else:
             # No store: only lengths and outcomes count, so no arrays are gathered.
@@ -251,7 +261,7 @@ class EpisodeFeeder:
         """
         held = list(tails.chunks)
         firsts = [c_t0 for c_t0, _ in held]
-        keys = [k for k in held[-1][1] if k not in ("done", "outcome")]
+        keys = list(held[-1][1])
         pieces: dict[str, list[np.ndarray]] = {k: [] for k in keys}
         kept = np.zeros(env.size, dtype=bool)
         for i, (e, s, t) in enumerate(zip(env.tolist(), start.tolist(), end.tolist())):
@@ -261,12 +271,12 @@ class EpisodeFeeder:
             c = max(bisect.bisect_right(firsts, s) - 1, 0)
             while c < len(held) and firsts[c] < t:
                 c_t0, arrays = held[c]
-                lo, hi = max(s, c_t0) - c_t0, min(t - c_t0, arrays["reward"].shape[0])
+                lo, hi = max(s, c_t0) - c_t0, min(t - c_t0, arrays["reward"].shape[1])
                 if lo < hi:
                     for k in keys:
-                        pieces[k].append(arrays[k][lo:hi, e])
+                        pieces[k].append(arrays[k][e, lo:hi])
                 c += 1
-        joined = {k: np.concatenate(v) if v else held[-1][1][k][:0, 0] for k, v in pieces.items()}
+        joined = {k: np.concatenate(v) if v else held[-1][1][k][0, :0] for k, v in pieces.items()}
         states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
         batch = EpisodeBatch(joined["action"], joined["reward"], states, (end - start)[kept])
         return batch, kept
@@ -275,7 +285,7 @@ class EpisodeFeeder:
         oldest = int(tails.open_start.min()) if tails.open_start.size else 0
         while tails.chunks:
             c_t0, arrays = tails.chunks[0]
-            c_len = arrays["reward"].shape[0]
+            c_len = arrays["reward"].shape[1]
             over = tails.held_bytes > self.max_tail_bytes and len(tails.chunks) > 1
             if c_t0 + c_len > oldest and not over:
                 break

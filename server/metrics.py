@@ -60,7 +60,14 @@ from recorder_server.metrics_sinks import (
     TensorBoardSink,
 )
 
-__all__ = ["MetricsConfig", "MetricsTracker", "WriteGate", "fold_tag", "prometheus_name"]
+__all__ = [
+    "MetricsConfig",
+    "MetricsTracker",
+    "NullMetrics",
+    "WriteGate",
+    "fold_tag",
+    "prometheus_name",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -498,3 +505,34 @@ class MetricsTracker:
             )
             for s, value in items
         ]
+
+
+class NullMetrics:
+    """A tracker that keeps nothing: `serve --no-metrics`, the baseline for metrics cost."""
+
+    registry = None
+    current_step = 0
+
+    def log(self, tag: str, value: float, step: int, **labels: object) -> None:
+        pass
+
+    def log_many(self, values: Mapping[str, float], step: int, **labels: object) -> None:
+        pass
+
+    def inc(self, tag: str, amount: float = 1.0, **labels: object) -> None:
+        pass
+
+    def set(self, tag: str, value: float, **labels: object) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, float]:
+        return {}
+
+    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        raise ValueError("metrics: --metrics-listen needs metrics; the server runs --no-metrics")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

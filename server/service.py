@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -15,6 +14,7 @@ import numpy as np
 from recorder_client import codec
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+from recorder_client.capture import file_parts, read_parts
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
 
 from . import snapshot
@@ -35,7 +35,6 @@ from .store import EpisodeArrays
 logger = logging.getLogger(__name__)
 
 DEFAULT_PART_BYTES = 4 << 20
-FILE_PART_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -548,35 +547,12 @@ def episode_to_proto(episode: EpisodeArrays) -> pb.EpisodeArrays:
     )
 
 
-def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
-    digest = hashlib.sha256(data).hexdigest()
-    view = memoryview(data)
-    yield pb.FilePart(
-        session=session,
-        name=name,
-        size=len(data),
-        sha256=digest,
-        data=bytes(view[:FILE_PART_BYTES]),
-    )
-    for offset in range(FILE_PART_BYTES, len(data), FILE_PART_BYTES):
-        yield pb.FilePart(data=bytes(view[offset : offset + FILE_PART_BYTES]))
-
-
 def receive_file(parts: Iterator[pb.FilePart]) -> tuple[str, bytes]:
     """Join streamed parts; checks the declared size and sha256."""
-    first = next(parts, None)
+    try:
+        first, data = read_parts(parts)
+    except ValueError as exc:
+        raise SessionError("INVALID_ARGUMENT", str(exc)) from None
     if first is None:
         raise SessionError("INVALID_ARGUMENT", "file: expected at least one part, got none")
-    buf = bytearray(first.data)
-    for part in parts:
-        buf += part.data
-        if len(buf) > first.size:
-            break
-    digest = hashlib.sha256(buf).hexdigest()
-    if len(buf) != first.size or digest != first.sha256:
-        raise SessionError(
-            "INVALID_ARGUMENT",
-            f"file {first.name!r}: expected {first.size} bytes with sha256 {first.sha256}, "
-            f"got {len(buf)} bytes with sha256 {digest}",
-        )
-    return first.session, bytes(buf)
+    return first.session, data

@@ -165,9 +165,8 @@ class RecorderServicer:
 
     def SubmitEpisode(self, request, context):
         """Trajectory store: submit one whole episode (emulator-style producers).
-        FAILED_PRECONDITION when the session has no trajectory configuration is
-        not raised: the episode is counted, as the seed's processor does with no
-        store.
+        Without a trajectory configuration the episode is only counted, as the
+        seed's processor does with no store.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
