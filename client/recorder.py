@@ -114,6 +114,7 @@ class RolloutRecorder:
         self._lock = threading.Lock()
         self._sequence = 0
         self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._signature: tuple | None = None
         self._closed = False
         self._embedded: EmbeddedServer | None = None
 
@@ -254,6 +255,17 @@ class RolloutRecorder:
 
     def _validate(self, arrays: dict[str, Any]) -> int:
         """Check shapes and dtypes against this worker's earlier chunks; returns raw bytes."""
+        # Fast path (record() is on the training loop's thread): the same layout as the
+        # previous chunk, one T for every array. Anything else takes the full check.
+        signature = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in arrays.items())
+        lengths = {v.shape[0] if v.shape else None for v in arrays.values()}
+        if signature == self._signature and len(lengths) == 1:
+            return sum(int(v.nbytes) for v in arrays.values())
+        raw = self._validate_fully(arrays)
+        self._signature = signature
+        return raw
+
+    def _validate_fully(self, arrays: dict[str, Any]) -> int:
         schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
         a_shape = schema["action"][0]
         if len(a_shape) not in (2, 3):
@@ -399,6 +411,7 @@ class RolloutRecorder:
         self._sender.is_full = False
         self._sender.num_recorded_steps = 0
         self._schema = None
+        self._signature = None
 
     # -- lifetime --------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:

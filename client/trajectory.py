@@ -87,7 +87,8 @@ class Trajectory:
             from factoriax.analysis.trajectory import Trajectory as FactoriaxTrajectory
         except ImportError as exc:
             raise ImportError(
-                "to_factoriax() needs the factoriax package (pip install factoriax)"
+                "to_factoriax() needs factoriax.analysis importable (pip install factoriax, "
+                f"which brings jax): {exc}"
             ) from exc
         return FactoriaxTrajectory(actions=self.actions, rewards=self.rewards, **self.states)
 

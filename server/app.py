@@ -140,8 +140,10 @@ def start_server(options: ServerOptions) -> RunningServer:
     if durability is not None:
         # Bound but not serving yet: calls wait until the recovered state is in place.
         recovery = durability.recover(service)
+        # A fresh data directory is not news; anything recovered, skipped or dropped is.
+        level = logging.WARNING if recovery.notable else logging.INFO
         for line in recovery.lines():
-            logger.warning("recovery: %s", line)
+            logger.log(level, "recovery: %s", line)
         durability.start_timer(service)
     server.start()
     set_serving(health, True)

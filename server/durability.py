@@ -79,6 +79,17 @@ class RecoveryReport:
     dropped_segment: str | None = None
     corruptions: list[str] = field(default_factory=list)
 
+    @property
+    def notable(self) -> bool:
+        return bool(
+            self.checkpoint
+            or self.replayed_records
+            or self.skipped_checkpoints
+            or self.dropped_bytes
+            or self.dropped_records
+            or self.corruptions
+        )
+
     def lines(self) -> list[str]:
         out = []
         for path, reason in self.skipped_checkpoints:

@@ -288,3 +288,35 @@ def test_any_state_field_name_and_save_load(target, tmp_path):
     back = Trajectory.load(path)
     assert back.worker_ids == out.worker_ids
     assert np.array_equal(back.episode_done, out.episode_done)
+
+
+def test_to_factoriax_names_what_is_missing(target):
+    with RolloutRecorder(target=target, session="fx") as rec:
+        rec.record(
+            {"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)), "done": np.ones((2, 1))}
+        )
+        out = rec.finish()
+    try:
+        import factoriax.analysis.trajectory  # noqa: F401  (needs jax)
+    except ImportError:
+        with pytest.raises(ImportError, match="to_factoriax\\(\\) needs factoriax"):
+            out.to_factoriax()
+    else:
+        assert out.to_factoriax().actions.shape == out.actions.shape
+
+
+def test_is_full_is_global_across_workers(target):
+    done = np.ones((1, 2), bool)
+    chunk = {"action": np.zeros((1, 2)), "reward": np.zeros((1, 2)), "done": done}
+    with RolloutRecorder(max_episodes=3, target=target, session="g", worker_id="a") as a:
+        with RolloutRecorder(max_episodes=3, target=target, session="g", worker_id="b") as b:
+            a.record(chunk)
+            assert not b.is_full
+            b.record(chunk)  # 4 dones over both workers
+            assert b.is_full  # waits for b's chunk; a then sees the same global count
+            assert a.is_full
+            assert a.record(chunk) is True  # sent; the server drops it
+            a.flush()
+            assert a.status().chunks_dropped == 1
+            assert not b.record(chunk)  # b already knows the session is full
+            assert b.finish().num_episodes == 3
