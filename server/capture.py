@@ -28,6 +28,7 @@ from recorder_client.capture_types import (
 from .store import (
     EpisodeArrays,
     EpisodeBatch,
+    EpisodeColumns,
     TrajectoryStore,
     decode_checkpoint_state,
     encode_checkpoint_state,
@@ -127,15 +128,16 @@ class TrajectoryCaptureProcessor:
         """Record several finished episodes: the batch twin of :meth:`record_episode`, with
         store contents and counters identical to calling it for each episode in order.
 
-        ``trajectory_files`` is a sequence of episodes or an EpisodeBatch (concatenated
-        arrays, the cheapest form). ``episode_data`` is None or one mapping (or None) per
+        ``trajectory_files`` is a sequence of episodes, an EpisodeBatch (concatenated
+        arrays) or an EpisodeColumns (cell-key columns and rewards, full arrays fetched only
+        for the episodes the repository keeps: the cheapest form). ``episode_data`` is None or one mapping (or None) per
         episode, not interpreted. ``step`` and ``outcomes`` give one value for all episodes or
         one per episode (outcomes may be an int array of codes); ``start_references`` is None
         or one (optional) reference per episode. The whole batch is validated before anything
         is recorded or counted (ValueError). Without a store only the counters move, with O(1)
         work per episode.
         """
-        is_batch = isinstance(trajectory_files, EpisodeBatch)
+        is_batch = isinstance(trajectory_files, (EpisodeBatch, EpisodeColumns))
         if not is_batch and (
             isinstance(trajectory_files, (EpisodeArrays, Mapping))
             or not isinstance(trajectory_files, Sequence)
@@ -178,7 +180,11 @@ class TrajectoryCaptureProcessor:
         if self._store is None:
             outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
         else:
-            if is_batch:
+            if isinstance(episodes, EpisodeColumns):
+                records = self._store.record_episode_columns(
+                    episodes, steps=step, outcomes=outcomes, start_references=start_references
+                )
+            elif is_batch:
                 records = self._store.record_episode_batch(
                     episodes, steps=step, outcomes=outcomes, start_references=start_references
                 )

@@ -9,7 +9,6 @@ worker (kept while some environment's open episode still needs them).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import queue
@@ -19,7 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .capture import TrajectoryCaptureProcessor
-from .store import EpisodeBatch
+from .episodes import StoredChunk
+from .store import EpisodeArrays, EpisodeBatch, EpisodeColumns
+from .store.cells import _ALIASES
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,27 @@ class ChunkEpisodes:
     start: np.ndarray
     end: np.ndarray
     env_steps_before: int  # session env steps before this chunk (the metrics step)
+    # The chunk as the session holds it (encoded); when given, the store path keeps this
+    # instead of the decoded arrays and decodes on demand, for the few episodes it stores.
+    stored: StoredChunk | None = None
+
+
+# Decoded chunks a worker keeps besides the newest, for fetching stored episodes.
+_DECODED_CACHE = 4
+
+
+class _Held:
+    """One chunk kept for the store path: decoded arrays or the encoded StoredChunk."""
+
+    __slots__ = ("t0", "length", "arrays", "encoded", "nbytes", "error")
+
+    def __init__(self, t0: int, length: int, arrays, encoded, nbytes: int) -> None:
+        self.t0 = t0
+        self.length = length
+        self.arrays: dict[str, np.ndarray] | None = arrays
+        self.encoded: dict | None = encoded
+        self.nbytes = nbytes
+        self.error: ValueError | None = None  # raised for episodes using flagged steps
 
 
 @dataclass
@@ -45,9 +67,17 @@ class _WorkerTails:
     open_start: np.ndarray
     open_return: np.ndarray
     open_code: np.ndarray
-    # Recent decoded chunks (t0, arrays), oldest first, kept for the store path.
+    # Recent chunks, oldest first, kept for the store path (see _Held).
     chunks: collections.deque = field(default_factory=collections.deque)
     held_bytes: int = 0
+    # The store path's per-step window over the held chunks: a ring of `capacity` steps
+    # (time t at row t % capacity) of cell-key columns (F, W, N), float64 rewards (W, N)
+    # and, once some step could not be keyed, a (W, N) flag of such steps.
+    capacity: int = 0
+    columns: np.ndarray | None = None
+    rewards: np.ndarray | None = None
+    flagged: np.ndarray | None = None
+    decoded: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
 
 class EpisodeFeeder:
@@ -60,7 +90,7 @@ class EpisodeFeeder:
         metrics,
         *,
         queue_chunks: int = 32,
-        max_tail_bytes: int = 1 << 30,
+        max_tail_bytes: int = 256 << 20,
     ) -> None:
         self.session = session
         self.processor = processor
@@ -124,13 +154,7 @@ class EpisodeFeeder:
                 oldest = int(tails.open_start.min())
                 for chunk in timeline.chunks:
                     if chunk.t0 + chunk.length > oldest:
-                        decoded = {
-                            k: np.ascontiguousarray(np.swapaxes(a.decode(), 0, 1))
-                            for k, a in chunk.arrays.items()
-                            if k != "done"
-                        }
-                        tails.chunks.append((chunk.t0, decoded))
-                        tails.held_bytes += sum(a.nbytes for a in decoded.values())
+                        self._hold(tails, chunk.t0, None, chunk)
             self._workers[index] = tails
 
     # -- the thread ----------------------------------------------------------
@@ -181,14 +205,7 @@ class EpisodeFeeder:
         outcomes = self._outcomes(codes, tails, env, local_start, local_end, carried)
         lengths = end - start
         if self.keeps_arrays:
-            # Env-major copies: each episode's steps are then contiguous to gather.
-            held = {
-                k: np.ascontiguousarray(np.swapaxes(a, 0, 1))
-                for k, a in item.arrays.items()
-                if k not in ("done", "outcome")
-            }
-            tails.chunks.append((t0, held))
-            tails.held_bytes += sum(a.nbytes for a in held.values())
+            self._hold(tails, t0, item.arrays, item.stored)
             batch, kept = self._gather(tails, env, start, end)
         else:
             # No store: only lengths and outcomes count, so no arrays are gathered.
@@ -219,9 +236,13 @@ class EpisodeFeeder:
 
         step = item.env_steps_before
         if env.size:
-            self.truncated_episodes += int(env.size - kept.sum())
-            self.processor.record_episodes(batch, None, step, outcomes=outcomes[kept])
             labels = {"session": self.session}
+            truncated = int(env.size - kept.sum())
+            if truncated:
+                # Longer than the held tail allows: counted, never stored half-recorded.
+                self.truncated_episodes += truncated
+                self.metrics.inc("Recorder/episodes_too_long_for_store", truncated, **labels)
+            self.processor.record_episodes(batch, None, step, outcomes=outcomes[kept])
             self.metrics.inc("Recorder/episodes_finished", float(env.size), **labels)
             self.metrics.log_many(
                 {
@@ -250,44 +271,210 @@ class EpisodeFeeder:
                 out[i] = tails.open_code[env[i]]
         return out
 
+    def _hold(
+        self,
+        tails: _WorkerTails,
+        t0: int,
+        arrays: dict[str, np.ndarray] | None,
+        stored: StoredChunk | None,
+    ) -> None:
+        """Keep a chunk for the store path (encoded when the session's copy is given) and add
+        its steps' cell-key columns and rewards to the worker's window."""
+        if stored is not None:
+            encoded = {k: a for k, a in stored.arrays.items() if k not in ("done", "outcome")}
+            nbytes = sum(a.nbytes for a in encoded.values())
+            held = _Held(t0, stored.length, None, encoded, nbytes)
+            if arrays is None:  # restoring: decode just what the window needs
+                arrays = {
+                    k: a.decode()
+                    for k, a in encoded.items()
+                    if k == "reward" or k.startswith("state:")
+                }
+            else:
+                tails.decoded[t0] = {k: v for k, v in arrays.items() if k in encoded}
+                self._bound_cache(tails)
+        else:
+            kept = {k: a for k, a in arrays.items() if k not in ("done", "outcome")}
+            held = _Held(
+                t0, kept["reward"].shape[0], kept, None, sum(a.nbytes for a in kept.values())
+            )
+        tails.chunks.append(held)
+        tails.held_bytes += held.nbytes
+        length, num_envs = held.length, tails.num_envs
+        columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
+        span = t0 + length - tails.chunks[0].t0
+        if span > tails.capacity:
+            self._grow_window(tails, span, columns.shape[0], t0)
+        cap, width = tails.capacity, columns.shape[0]
+        # Env-major ring: an episode's steps lie back to back (but for one wrap).
+        columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
+        rewards = rewards.T
+        if flagged is not None:
+            flagged = flagged.reshape(length, num_envs).T
+            if tails.flagged is None:
+                tails.flagged = np.zeros((num_envs, cap), dtype=bool)
+        for t, a, b in _ring_pieces(t0, t0 + length, cap):
+            tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
+            tails.rewards[:, a:b] = rewards[:, t - t0 : t - t0 + b - a]
+            if tails.flagged is not None:
+                tails.flagged[:, a:b] = (
+                    False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
+                )
+
+    def _chunk_columns(self, held: _Held, arrays: dict[str, np.ndarray], length: int, n: int):
+        """(F, length * n) cell-key columns, (length, n) float64 rewards and None or a
+        (length * n,) flag of the steps that could not be keyed (held.error says why)."""
+        store = self.processor.store
+        total = length * n
+        flat = {
+            k[6:]: a.reshape(total, *a.shape[2:])
+            for k, a in arrays.items()
+            if k.startswith("state:")
+        }
+        rewards = np.asarray(arrays["reward"], dtype=np.float64)
+        try:
+            return store.step_columns(flat, total), rewards, None
+        except ValueError as exc:
+            held.error = exc
+        # Non-finite float cell fields flag only their steps (as if recorded per episode);
+        # anything else flags the whole chunk.
+        flagged = np.zeros(total, dtype=bool)
+        for spec in store.configuration.cell_fields:
+            name = spec.state_field if spec.state_field in flat else _ALIASES.get(spec.state_field)
+            arr = flat.get(name) if name is not None else None
+            if arr is None or arr.dtype.kind != "f" or arr.ndim != 1 + len(spec.index):
+                continue
+            if any(i >= m for i, m in zip(spec.index, arr.shape[1:], strict=True)):
+                continue
+            where = (slice(None), *spec.index)
+            bad = ~np.isfinite(arr[where])
+            if bad.any():
+                arr = arr.copy()
+                arr[where][bad] = 0
+                flat[name] = arr
+                flagged |= bad
+        try:
+            columns = store.step_columns(flat, total)
+        except ValueError:
+            columns = np.zeros((len(store.configuration.cell_fields), total), dtype=np.int64)
+            flagged[:] = True
+        return columns, rewards, flagged
+
     @staticmethod
+    def _grow_window(tails: _WorkerTails, span: int, width: int, t0: int) -> None:
+        """Reallocate the ring for at least ``span`` steps, keeping the held steps before t0."""
+        old_cap = tails.capacity
+        cap = max(span, 2 * old_cap, 4 * tails.chunks[-1].length, 1)
+        n = tails.num_envs
+        columns = np.zeros((width, n, cap), dtype=np.int64)
+        rewards = np.zeros((n, cap), dtype=np.float64)
+        flagged = None if tails.flagged is None else np.zeros((n, cap), dtype=bool)
+        lo = tails.chunks[0].t0
+        if old_cap and lo < t0:
+            for t, a, b in _ring_pieces(lo, t0, old_cap):
+                for u, c, d in _ring_pieces(t, t + b - a, cap):
+                    src = slice(a + u - t, a + u - t + d - c)
+                    columns[:, :, c:d] = tails.columns[:, :, src]
+                    rewards[:, c:d] = tails.rewards[:, src]
+                    if flagged is not None:
+                        flagged[:, c:d] = tails.flagged[:, src]
+        tails.capacity, tails.columns, tails.rewards, tails.flagged = cap, columns, rewards, flagged
+
+    @staticmethod
+    def _bound_cache(tails: _WorkerTails) -> None:
+        while len(tails.decoded) > _DECODED_CACHE + 1:
+            tails.decoded.popitem(last=False)
+
     def _gather(
-        tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
-    ) -> tuple[EpisodeBatch, np.ndarray]:
-        """The finished episodes' arrays, back to back, from the held chunks.
+        self, tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
+    ) -> tuple[EpisodeColumns, np.ndarray]:
+        """The finished episodes' cell-key columns and rewards, back to back, from the
+        window; full arrays are fetched from the held chunks only for stored episodes.
 
         Episodes whose beginning was dropped under the tail cap are left out (kept[i]
         is False) rather than stored truncated.
         """
         held = list(tails.chunks)
-        firsts = [c_t0 for c_t0, _ in held]
-        keys = list(held[-1][1])
-        pieces: dict[str, list[np.ndarray]] = {k: [] for k in keys}
-        kept = np.zeros(env.size, dtype=bool)
-        for i, (e, s, t) in enumerate(zip(env.tolist(), start.tolist(), end.tolist())):
-            if s < firsts[0]:
-                continue
-            kept[i] = True
-            c = max(bisect.bisect_right(firsts, s) - 1, 0)
-            while c < len(held) and firsts[c] < t:
-                c_t0, arrays = held[c]
-                lo, hi = max(s, c_t0) - c_t0, min(t - c_t0, arrays["reward"].shape[1])
-                if lo < hi:
-                    for k in keys:
-                        pieces[k].append(arrays[k][e, lo:hi])
-                c += 1
-        joined = {k: np.concatenate(v) if v else held[-1][1][k][0, :0] for k, v in pieces.items()}
-        states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
-        batch = EpisodeBatch(joined["action"], joined["reward"], states, (end - start)[kept])
-        return batch, kept
+        kept = start >= held[0].t0
+        if not kept.all():
+            env, start, end = env[kept], start[kept], end[kept]
+        lengths = end - start
+        total = int(lengths.sum())
+        n, cap = tails.num_envs, tails.capacity
+        if env.size == 1:
+            times = np.arange(int(start[0]), int(end[0]), dtype=np.int64)
+        else:
+            offsets = np.zeros(env.size + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            times = np.repeat(start - offsets[:-1], lengths)
+            times += np.arange(total, dtype=np.int64)
+        index = times % cap
+        index += np.repeat(env * cap, lengths)
+        width = tails.columns.shape[0]
+        columns = np.empty((width, total), dtype=np.int64)  # C order, as group_batch likes
+        for j in range(width):
+            np.take(tails.columns[j].reshape(n * cap), index, out=columns[j])
+        rewards = tails.rewards.reshape(n * cap)[index]
+        if tails.flagged is not None:
+            bad = tails.flagged.reshape(n * cap)[index]
+            if bad.any():
+                t = int(times[int(np.argmax(bad))])
+                for chunk in held:
+                    if chunk.t0 <= t < chunk.t0 + chunk.length and chunk.error is not None:
+                        raise chunk.error
+                raise ValueError("states: a cell field could not be keyed")
+        episodes = (env.tolist(), start.tolist(), end.tolist())
+
+        def fetch(i: int) -> EpisodeArrays:
+            e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
+            pieces: dict[str, list[np.ndarray]] = {}
+            for chunk in held:
+                if chunk.t0 >= t or chunk.t0 + chunk.length <= s:
+                    continue
+                arrays = self._decoded(tails, chunk)
+                lo, hi = max(s, chunk.t0) - chunk.t0, min(t, chunk.t0 + chunk.length) - chunk.t0
+                for k, a in arrays.items():
+                    pieces.setdefault(k, []).append(a[lo:hi, e])
+            joined = {
+                k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()
+            }
+            states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
+            return EpisodeArrays(joined["action"], joined["reward"], states)
+
+        return EpisodeColumns(rewards, columns, lengths, fetch), kept
+
+    @staticmethod
+    def _decoded(tails: _WorkerTails, chunk: _Held) -> dict[str, np.ndarray]:
+        if chunk.arrays is not None:
+            return chunk.arrays
+        arrays = tails.decoded.get(chunk.t0)
+        if arrays is None:
+            arrays = {k: a.decode() for k, a in chunk.encoded.items()}
+            tails.decoded[chunk.t0] = arrays
+            EpisodeFeeder._bound_cache(tails)
+        else:
+            tails.decoded.move_to_end(chunk.t0)
+        return arrays
 
     def _trim(self, tails: _WorkerTails) -> None:
         oldest = int(tails.open_start.min()) if tails.open_start.size else 0
         while tails.chunks:
-            c_t0, arrays = tails.chunks[0]
-            c_len = arrays["reward"].shape[1]
+            chunk = tails.chunks[0]
             over = tails.held_bytes > self.max_tail_bytes and len(tails.chunks) > 1
-            if c_t0 + c_len > oldest and not over:
+            if chunk.t0 + chunk.length > oldest and not over:
                 break
             tails.chunks.popleft()
-            tails.held_bytes -= sum(a.nbytes for a in arrays.values())
+            tails.held_bytes -= chunk.nbytes
+            tails.decoded.pop(chunk.t0, None)
+
+
+def _ring_pieces(lo: int, hi: int, cap: int) -> list[tuple[int, int, int]]:
+    """Times [lo, hi) on a ring of ``cap`` rows as contiguous pieces (time, row_a, row_b)."""
+    pieces = []
+    t = lo
+    while t < hi:
+        a = t % cap
+        b = min(cap, a + hi - t)
+        pieces.append((t, a, b))
+        t += b - a
+    return pieces

@@ -3,7 +3,7 @@
 Pure Python + numpy (+ zstandard); no gRPC. See DESIGN.md, "Trajectory store".
 """
 
-from .cells import EpisodeArrays, EpisodeBatch
+from .cells import EpisodeArrays, EpisodeBatch, EpisodeColumns
 from .store import (
     CHECKPOINT_FORMAT,
     CellInfo,
@@ -18,6 +18,7 @@ __all__ = [
     "CellInfo",
     "EpisodeArrays",
     "EpisodeBatch",
+    "EpisodeColumns",
     "EpisodeRecord",
     "TrajectoryStore",
     "decode_checkpoint_state",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,3 +279,59 @@ class EpisodeBatch:
             states={k: np.concatenate([e.states[k] for e in episodes]) for k in first.states},
             lengths=np.array([e.length for e in episodes], dtype=np.int64),
         )
+
+
+@dataclass(frozen=True, eq=False)
+class EpisodeColumns:
+    """Several episodes given by their per-step cell-key columns and rewards only, with the
+    full arrays fetched on demand.
+
+    The streaming input form of :meth:`TrajectoryStore.record_episode_columns`: episode i is
+    steps ``offsets[i]..offsets[i+1]-1`` of ``rewards`` and of every row of ``columns``
+    (what :func:`field_column` gives for the configured cell fields, in order). ``fetch(i)``
+    returns episode i's full arrays (anything :meth:`EpisodeArrays.coerce` accepts); the store
+    calls it only for the episodes it keeps in its repository. Recording is identical to
+    recording ``fetch(i)`` one by one, in order, provided the columns and rewards are those
+    of the fetched episodes.
+    """
+
+    rewards: np.ndarray
+    """(S,) rewards of all episodes, back to back, numeric."""
+    columns: np.ndarray
+    """(F, S) int64 cell-key columns of the same steps."""
+    lengths: np.ndarray
+    """(E,) episode lengths (>= 0) summing to S."""
+    fetch: Callable[[int], Any] = field(repr=False)
+    offsets: np.ndarray = field(init=False, repr=False)
+    """(E+1,) start of each episode, then S."""
+
+    def __post_init__(self) -> None:
+        lengths = np.asarray(self.lengths)
+        if lengths.ndim != 1 or (lengths.size and lengths.dtype.kind not in "iu"):
+            raise ValueError(f"lengths: expected a 1-d int array, got {lengths!r}")
+        lengths = lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"lengths: expected lengths >= 0, got {lengths.min()}")
+        rewards = np.asarray(self.rewards)
+        if rewards.ndim != 1 or rewards.dtype.kind not in "biuf":
+            raise ValueError(f"rewards: expected a numeric (S,) array, got {rewards.shape}")
+        columns = np.asarray(self.columns)
+        if columns.ndim != 2 or columns.dtype != np.int64:
+            raise ValueError(f"columns: expected an (F, S) int64 array, got {columns.shape}")
+        total = int(lengths.sum())
+        if rewards.shape[0] != total or columns.shape[1] != total:
+            raise ValueError(
+                f"lengths: sum to {total}, but rewards hold {rewards.shape[0]} and columns "
+                f"{columns.shape[1]} steps"
+            )
+        if not callable(self.fetch):
+            raise ValueError("fetch: expected a callable")
+        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        object.__setattr__(self, "rewards", rewards)
+        object.__setattr__(self, "columns", columns)
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "offsets", offsets)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])

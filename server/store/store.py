@@ -26,7 +26,14 @@ from . import codec
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
 from .batch import discount_exponents, group_batch
-from .cells import EpisodeArrays, EpisodeBatch, batch_cell_columns, cell_keys, field_column
+from .cells import (
+    EpisodeArrays,
+    EpisodeBatch,
+    EpisodeColumns,
+    batch_cell_columns,
+    cell_keys,
+    field_column,
+)
 from .curriculum import Curriculum
 from .repository import TrajectoryRepository, decode_episode, encode_episode
 from .utilities import UtilityTable, aggregate
@@ -238,6 +245,57 @@ class TrajectoryStore:
         return self._record_batch(
             lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
         )
+
+    def record_episode_columns(
+        self,
+        batch: EpisodeColumns,
+        *,
+        steps: Sequence[int] | int,
+        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+    ) -> list[EpisodeRecord]:
+        """:meth:`record_episodes` from per-step cell-key columns and rewards only: the full
+        arrays of an episode are fetched (``batch.fetch(i)``, under the store's lock) only when
+        the repository keeps it. Identical to recording ``batch.fetch(i)`` one by one, in
+        order, when the columns are the fetched episodes' :meth:`step_columns`."""
+        if not isinstance(batch, EpisodeColumns):
+            raise ValueError(f"batch: expected an EpisodeColumns, got {type(batch).__name__}")
+        count = len(batch)
+        width = len(self._config.cell_fields)
+        if batch.columns.shape[0] != width:
+            raise ValueError(
+                f"columns: expected {width} rows (one per cell field), got {batch.columns.shape[0]}"
+            )
+        step_array = _batch_steps(steps, count)
+        lengths, offsets = batch.lengths, batch.offsets
+        cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
+        outcome_list = _batch_outcomes(outcomes, count)
+        refs = _batch_references(start_references, count)
+
+        def columns() -> np.ndarray:
+            return batch.columns
+
+        def encode(i: int, compressor: Any) -> bytes:
+            episode = EpisodeArrays.coerce(batch.fetch(i))
+            if episode.length != int(lengths[i]):
+                raise ValueError(
+                    f"fetch({i}): expected an episode of {int(lengths[i])} steps, got "
+                    f"{episode.length}"
+                )
+            return encode_episode(episode, compressor=compressor)
+
+        return self._record_batch(
+            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
+        )
+
+    def step_columns(self, states: Mapping[str, np.ndarray], length: int) -> np.ndarray:
+        """The (F, length) int64 cell-key columns of ``length`` steps of state arrays (each
+        (length, ...)), as the store computes them for recorded episodes."""
+        specs = self._config.cell_fields
+        out = np.empty((len(specs), length), dtype=np.int64)
+        for j, spec in enumerate(specs):
+            out[j] = field_column(spec, states, length)
+        return out
 
     def _powers(self, gamma: float, length: int) -> np.ndarray:
         """``gamma ** [0, 1, ...]`` (float64, at least ``length`` entries), cached."""

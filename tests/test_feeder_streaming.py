@@ -1,0 +1,168 @@
+"""The feeder's streaming store path (cell-key columns and rewards per step, full arrays
+fetched only for stored episodes) against recording each episode with record_episode."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from recorder_client import codec
+from recorder_client.capture_types import CellField, TrajectoryTrainingConfiguration, UtilityConfig
+from recorder_server.capture import TrajectoryCaptureProcessor, build_store
+from recorder_server.episodes import EncodedArray, StoredChunk
+from recorder_server.feeder import ChunkEpisodes, EpisodeFeeder
+from recorder_server.store import EpisodeArrays
+
+
+class _Metrics:
+    def inc(self, *args, **kwargs) -> None:
+        pass
+
+    def log_many(self, *args, **kwargs) -> None:
+        pass
+
+
+def _config(capacity: int) -> TrajectoryTrainingConfiguration:
+    return TrajectoryTrainingConfiguration(
+        cell_fields=(
+            CellField("player_positions", (0, 0), bucket=2, name="x"),
+            CellField("player_positions", (0, 1), bucket=2, name="y"),
+        ),
+        utilities=(UtilityConfig("win_proximity", 0.9),),
+        repository_capacity_bytes=capacity,
+    )
+
+
+def _chunks(seed: int, count: int, length: int, num_envs: int):
+    """Time-major chunks of a random walk, plus each chunk's finished (env, start, end)."""
+    rng = np.random.default_rng(seed)
+    pos = np.zeros((num_envs, 2), dtype=np.int32)
+    open_start = np.zeros(num_envs, dtype=np.int64)
+    out = []
+    for c in range(count):
+        t0 = c * length
+        steps = rng.integers(-1, 2, size=(length, num_envs, 2), dtype=np.int32)
+        positions = np.empty((length, num_envs, 1, 2), dtype=np.int32)
+        for t in range(length):
+            pos += steps[t]
+            positions[t, :, 0] = pos
+        done = rng.random((length, num_envs)) < 0.08
+        if c == 0:
+            done[:, 0] = False  # env 0 runs one long episode across chunks
+        arrays = {
+            "action": rng.integers(0, 5, size=(length, num_envs), dtype=np.int32),
+            "reward": rng.choice(np.array([0.0, 0.5, 1.0], np.float32), (length, num_envs)),
+            "done": done,
+            "state:player_positions": positions,
+            "state:player_inventory": rng.integers(0, 3, (length, num_envs, 1, 4), np.int32),
+        }
+        env, t = np.nonzero(done.T)
+        env = env.astype(np.int64)
+        end = t.astype(np.int64) + t0 + 1
+        start = np.empty_like(end)
+        if end.size:
+            start[1:] = end[:-1]
+            first = np.ones(end.size, dtype=bool)
+            first[1:] = env[1:] != env[:-1]
+            start[first] = open_start[env[first]]
+            last = np.ones(end.size, dtype=bool)
+            last[:-1] = env[1:] != env[:-1]
+            open_start[env[last]] = end[last]
+        for e in np.flatnonzero(done[-1]):  # reset walks that ended
+            pos[e] = 0
+        out.append((t0, arrays, env, start, end))
+    return out
+
+
+def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
+    encoded = {}
+    for k, a in arrays.items():
+        msg = codec.encode_array(a)
+        encoded[k] = EncodedArray(a.dtype, a.shape, msg.codec, msg.data)
+    return StoredChunk(t0, arrays["reward"].shape[0], encoded, 0)
+
+
+@pytest.mark.parametrize("encoded", [False, True])
+@pytest.mark.parametrize("capacity", [1 << 30, 6000])
+def test_streaming_feeder_matches_record_episode(encoded, capacity):
+    length, num_envs = 16, 8
+    chunks = _chunks(3, 14, length, num_envs)
+    config = _config(capacity)
+
+    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    feeder = EpisodeFeeder("s", streamed, _Metrics())
+    try:
+        for i, (t0, arrays, env, start, end) in enumerate(chunks):
+            stored = _stored(t0, arrays) if encoded else None
+            steps = i * length * num_envs
+            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps, stored))
+        assert feeder.drain(30)
+    finally:
+        feeder.close()
+
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+    for i, (_, _, env, start, end) in enumerate(chunks):
+        for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
+            episode = EpisodeArrays(
+                actions=whole["action"][s:t, e],
+                rewards=whole["reward"][s:t, e],
+                states={
+                    "player_positions": whole["state:player_positions"][s:t, e],
+                    "player_inventory": whole["state:player_inventory"][s:t, e],
+                },
+            )
+            reference.record_episode(episode, {}, i * length * num_envs, outcome=0)
+
+    a, b = streamed.store, reference.store
+    state_a, state_b = a.checkpoint_state(), b.checkpoint_state()
+    assert state_a["counters"] == state_b["counters"]
+    assert state_a["arrays"].keys() == state_b["arrays"].keys()
+    for name, value in state_a["arrays"].items():
+        np.testing.assert_array_equal(value, state_b["arrays"][name], err_msg=name)
+    assert a.snapshot_potential("win_proximity", ["x", "y"]) == b.snapshot_potential(
+        "win_proximity", ["x", "y"]
+    )
+    assert a.trajectory_ids() == b.trajectory_ids()
+    assert a.trajectory_ids()  # something was stored
+    for tid in a.trajectory_ids():
+        x, y = a.trajectory(tid), b.trajectory(tid)
+        np.testing.assert_array_equal(x.actions, y.actions)
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+        for k in y.states:
+            np.testing.assert_array_equal(x.states[k], y.states[k])
+    assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
+    if capacity < 1 << 20:
+        assert state_a["counters"]["episodes"] > len(a.trajectory_ids())
+
+
+def test_streaming_feeder_restore_tails_continues_identically():
+    """tails_state / restore_tails mid-stream (as a checkpoint does) changes nothing."""
+    length, num_envs = 16, 8
+    chunks = _chunks(5, 12, length, num_envs)
+    config = _config(1 << 30)
+
+    def feed(processor, feeder, part):
+        for i, (t0, arrays, env, start, end) in part:
+            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, i * length * num_envs))
+        assert feeder.drain(30)
+
+    one = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    f1 = EpisodeFeeder("a", one, _Metrics())
+    feed(one, f1, list(enumerate(chunks)))
+    f1.close()
+
+    two = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    f2 = EpisodeFeeder("b", two, _Metrics())
+    feed(two, f2, list(enumerate(chunks))[:7])
+    tails = f2.tails_state()
+
+    timeline = SimpleNamespace(index=0, chunks=[_stored(c[0], c[1]) for c in chunks[:7]])
+    f2.restore_tails({k: {n: v.copy() for n, v in d.items()} for k, d in tails.items()}, [timeline])
+    feed(two, f2, list(enumerate(chunks))[7:])
+    f2.close()
+    sa, sb = one.store.checkpoint_state(), two.store.checkpoint_state()
+    for name, value in sa["arrays"].items():
+        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
