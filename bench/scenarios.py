@@ -46,7 +46,9 @@ class Params:
     length: int = 128  # T
     num_envs: int = 256  # N
     done_prob: float = 1 / 500
-    pool: int = 16  # distinct chunks per worker, reused cyclically
+    # Distinct chunks per worker (reused cyclically past that). As many as an ingest run
+    # records: a reused done pattern would leave some envs never finishing an episode.
+    pool: int = 80
     latency_calls: int = 200
     paced_calls: int = 100
     paced_sleep_s: float = 0.010
