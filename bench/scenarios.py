@@ -769,6 +769,123 @@ def rows_finish(results: dict[str, dict[str, Any]]) -> list[Row]:
     ]
 
 
+# -- server CPU per chunk, in process (low noise) -------------------------------
+
+
+def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
+    """Server-side CPU per chunk of the ingest path (decode, validate, split, log, feed),
+    with and without metrics / store, in this process: no network and no other process
+    in the measurement, so a few percent are visible. Variants alternate in rounds."""
+    import tempfile
+
+    from workload import STATE_FIELDS as FIELDS
+
+    from recorder_client import CellField, TrajectoryTrainingConfiguration, UtilityConfig, codec
+    from recorder_client._proto import recorder_pb2 as pb
+    from recorder_server.metrics import MetricsConfig, MetricsTracker, NullMetrics, WriteGate
+    from recorder_server.session import Session, SessionConfig
+
+    p = ctx.params
+    pool = make_pool(p.pool, length=p.length, num_envs=p.num_envs, seed=3, done_prob=p.done_prob)
+    chunks = []
+    for i, c in enumerate(pool):
+        msg = pb.Chunk(sequence=i + 1)
+        msg.action.CopyFrom(codec.encode_array(c.rollout.action))
+        msg.reward.CopyFrom(codec.encode_array(c.rollout.reward))
+        msg.done.CopyFrom(codec.encode_array(c.rollout.done))
+        for name in FIELDS:
+            msg.states.append(
+                pb.NamedArray(name=name, array=codec.encode_array(getattr(c.states, name)))
+            )
+        chunks.append(msg)
+    capture = TrajectoryTrainingConfiguration(
+        cell_fields=(
+            CellField("player_positions", (0, 0), bucket=4, name="x"),
+            CellField("player_positions", (0, 1), bucket=4, name="y"),
+        ),
+        utilities=(UtilityConfig("win_proximity", gamma=0.99),),
+    )
+    tmp = Path(tempfile.mkdtemp(dir=ctx.tmp))
+
+    def variants() -> dict[str, Any]:
+        sinks = MetricsConfig(
+            tensorboard_dir=str(tmp / "tb"),
+            jsonl_path=str(tmp / "m.jsonl"),
+            tensorboard_gate=WriteGate(1.0),
+            jsonl_gate=WriteGate(1.0),
+        )
+        return {
+            "no_metrics": (NullMetrics, None),
+            "metrics": (MetricsTracker, None),
+            "metrics_all_sinks": (lambda: MetricsTracker(sinks), None),
+            "store_on": (MetricsTracker, capture),
+        }
+
+    def once(make_metrics, cap) -> float:
+        metrics = make_metrics()
+        config = SessionConfig(None, True, tuple(FIELDS), cap)
+        session = Session("cpu", config, metrics)
+        session.join("w", config)
+        start = time.process_time()
+        for msg in chunks:
+            session.apply("w", msg, 1 << 31, log=False)
+        session.feeder.drain()
+        used = time.process_time() - start
+        session.close()
+        metrics.close()
+        return used / len(chunks) * 1e3
+
+    rounds = 3 if ctx.quick else 7
+    ms: dict[str, list[float]] = {name: [] for name in variants()}
+    for _ in range(rounds):
+        for name, (make_metrics, cap) in variants().items():
+            ms[name].append(once(make_metrics, cap))
+    out = {name: float(np.median(v)) for name, v in ms.items()}
+    out["rounds"] = {name: v for name, v in ms.items()}
+    out["chunks"] = len(chunks)
+    return out
+
+
+def rows_server_cpu(results: dict[str, dict[str, Any]]) -> list[Row]:
+    r = results.get("server_cpu")
+    if not r:
+        return []
+    base = r["no_metrics"]
+    rows = [
+        Row(
+            "server CPU",
+            f"server CPU ms per chunk, metrics on (in process, median of {len(r['rounds']['metrics'])})",
+            r["metrics"],
+            base,
+            "same, --no-metrics",
+            "ms",
+            "lower",
+            digits=2,
+        ),
+        Row(
+            "server CPU",
+            "server CPU ms per chunk, Prometheus registry + TensorBoard + JSONL sinks",
+            r["metrics_all_sinks"],
+            base,
+            "same, --no-metrics",
+            "ms",
+            "lower",
+            digits=2,
+        ),
+        Row(
+            "server CPU",
+            "server CPU ms per chunk, trajectory store on (2 cell fields, 1 utility)",
+            r["store_on"],
+            r["metrics"],
+            "same, store off",
+            "ms",
+            "lower",
+            digits=2,
+        ),
+    ]
+    return rows
+
+
 # -- the registry ---------------------------------------------------------------
 # SCENARIOS run by default, in this order (repeated ones in interleaved rounds).
 # OPTIONAL_SCENARIOS run only when named: `--only NAME` or `--with NAME`.
@@ -776,6 +893,12 @@ def rows_finish(results: dict[str, dict[str, Any]]) -> list[Row]:
 SCENARIOS: list[Scenario] = [
     Scenario("latency", run_latency, rows_latency, description="record() caller latency"),
     Scenario("finish", run_finish, rows_finish, description="finish() on >= 20k episodes"),
+    Scenario(
+        "server_cpu",
+        run_server_cpu,
+        rows_server_cpu,
+        description="server CPU per chunk with/without metrics and store, in process",
+    ),
     ingest_scenario("ingest_1w", workers=1),
     ingest_scenario("ingest_4w", workers=4),
     ingest_scenario("ingest_8w", workers=8),
