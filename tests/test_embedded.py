@@ -53,6 +53,7 @@ def test_embedded_server_stops_when_its_parent_is_killed(tmp_path):
     assert pid_alive(server_pid)
     proc.kill()
     proc.wait()
+    proc.stdout.close()
     assert wait_for(lambda: not pid_alive(server_pid), timeout=10)
 
 
