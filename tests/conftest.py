@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -79,6 +80,36 @@ def server_process(tmp_path: Path) -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
+    """A real size-limited tmpfs (needs root); the test is skipped where mounting fails."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("tmpfs mounts need Linux")
+    mount_point.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+            check=True,
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
+    try:
+        yield mount_point
+    finally:
+        done = subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=10)
+        if done.returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 1 MiB filesystem to fill up."""
+    with mounted_tmpfs(tmp_path / "small", "1m") as mount_point:
+        yield mount_point
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -5,9 +5,6 @@ from __future__ import annotations
 import errno
 import os
 import struct
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,30 +28,6 @@ PAYLOAD = b"".join(b"episode %06d;" % i for i in range(2000)) + os.urandom(3000)
 
 def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 1 MiB tmpfs (needs root); skipped where mounting is not allowed."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("tmpfs mounts need Linux")
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-            check=True,
-            capture_output=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
-    try:
-        yield mount_point
-    finally:
-        done = subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=10)
-        if done.returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=10)
 
 
 # --------------------------------------------------------------------------- round trip

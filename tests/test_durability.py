@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import mounted_tmpfs, wait_for
 from reference_model import ReferenceRecorder
 
 from recorder_client import ResourceExhaustedError, RolloutRecorder
@@ -299,15 +299,9 @@ def test_runtime_state_moves_a_session_to_a_fresh_server(durable, tmp_path):
 
 @pytest.fixture
 def small_fs(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    """A 6 MiB filesystem: room for the server's files, not for much data."""
+    with mounted_tmpfs(tmp_path / "small", "6m") as mount:
+        yield mount
 
 
 def test_full_disk_refuses_with_resource_exhausted_and_resumes(durable, small_fs):
