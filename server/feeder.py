@@ -364,7 +364,8 @@ class EpisodeFeeder:
     def _grow_window(tails: _WorkerTails, span: int, width: int, t0: int) -> None:
         """Reallocate the ring for at least ``span`` steps, keeping the held steps before t0."""
         old_cap = tails.capacity
-        cap = max(span, 2 * old_cap, 4 * tails.chunks[-1].length, 1)
+        # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
+        cap = max(span, 2 * old_cap, 32 * tails.chunks[-1].length, 1)
         n = tails.num_envs
         columns = np.zeros((width, n, cap), dtype=np.int64)
         rewards = np.zeros((n, cap), dtype=np.float64)
