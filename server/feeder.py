@@ -302,9 +302,15 @@ class EpisodeFeeder:
         tails.held_bytes += held.nbytes
         length, num_envs = held.length, tails.num_envs
         columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
+        col_type, rew_type = _window_types(tails, columns, rewards)
         span = t0 + length - tails.chunks[0].t0
         if span > tails.capacity:
-            self._grow_window(tails, span, columns.shape[0], t0)
+            self._grow_window(tails, span, columns.shape[0], t0, col_type, rew_type)
+        else:
+            if tails.columns.dtype != col_type:
+                tails.columns = tails.columns.astype(col_type)
+            if tails.rewards.dtype != rew_type:
+                tails.rewards = tails.rewards.astype(rew_type)
         cap, width = tails.capacity, columns.shape[0]
         # Env-major ring: an episode's steps lie back to back (but for one wrap).
         columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
@@ -322,8 +328,8 @@ class EpisodeFeeder:
                 )
 
     def _chunk_columns(self, held: _Held, arrays: dict[str, np.ndarray], length: int, n: int):
-        """(F, length * n) cell-key columns, (length, n) float64 rewards and None or a
-        (length * n,) flag of the steps that could not be keyed (held.error says why)."""
+        """(F, length * n) cell-key columns, (length, n) rewards (their own dtype) and None
+        or a (length * n,) flag of the steps that could not be keyed (held.error says why)."""
         store = self.processor.store
         total = length * n
         flat = {
@@ -331,7 +337,7 @@ class EpisodeFeeder:
             for k, a in arrays.items()
             if k.startswith("state:")
         }
-        rewards = np.asarray(arrays["reward"], dtype=np.float64)
+        rewards = np.asarray(arrays["reward"])
         try:
             return store.step_columns(flat, total), rewards, None
         except ValueError as exc:
@@ -361,14 +367,16 @@ class EpisodeFeeder:
         return columns, rewards, flagged
 
     @staticmethod
-    def _grow_window(tails: _WorkerTails, span: int, width: int, t0: int) -> None:
+    def _grow_window(
+        tails: _WorkerTails, span: int, width: int, t0: int, col_type, rew_type
+    ) -> None:
         """Reallocate the ring for at least ``span`` steps, keeping the held steps before t0."""
         old_cap = tails.capacity
         # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
         cap = max(span, 2 * old_cap, 32 * tails.chunks[-1].length, 1)
         n = tails.num_envs
-        columns = np.zeros((width, n, cap), dtype=np.int64)
-        rewards = np.zeros((n, cap), dtype=np.float64)
+        columns = np.zeros((width, n, cap), dtype=col_type)
+        rewards = np.zeros((n, cap), dtype=rew_type)
         flagged = None if tails.flagged is None else np.zeros((n, cap), dtype=bool)
         lo = tails.chunks[0].t0
         if old_cap and lo < t0:
@@ -414,8 +422,12 @@ class EpisodeFeeder:
         width = tails.columns.shape[0]
         columns = np.empty((width, total), dtype=np.int64)  # C order, as group_batch likes
         for j in range(width):
-            np.take(tails.columns[j].reshape(n * cap), index, out=columns[j])
-        rewards = tails.rewards.reshape(n * cap)[index]
+            ring = tails.columns[j].reshape(n * cap)
+            if ring.dtype == np.int64:
+                np.take(ring, index, out=columns[j])
+            else:
+                columns[j] = ring[index]
+        rewards = tails.rewards.reshape(n * cap)[index]  # float32 or float64: exact values
         if tails.flagged is not None:
             bad = tails.flagged.reshape(n * cap)[index]
             if bad.any():
@@ -467,6 +479,25 @@ class EpisodeFeeder:
             tails.chunks.popleft()
             tails.held_bytes -= chunk.nbytes
             tails.decoded.pop(chunk.t0, None)
+
+
+# Reward dtypes whose every value float32 holds exactly (the window stores those as float32).
+_FLOAT32_EXACT = frozenset(
+    np.dtype(t) for t in (np.float32, np.float16, np.bool_, np.int8, np.uint8, np.int16, np.uint16)
+)
+_INT32 = np.iinfo(np.int32)
+
+
+def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray):
+    """The window's dtypes once this chunk is in: cell keys as int32 while every key fits,
+    rewards as float32 while every reward is exactly a float32 (else int64 / float64; never
+    narrowed back). Halves the window's memory in the usual case."""
+    wide_cols = tails.columns is not None and tails.columns.dtype == np.int64
+    if not wide_cols and columns.size:
+        wide_cols = int(columns.min()) < _INT32.min or int(columns.max()) > _INT32.max
+    wide_rew = tails.rewards is not None and tails.rewards.dtype == np.float64
+    wide_rew = wide_rew or rewards.dtype not in _FLOAT32_EXACT
+    return (np.int64 if wide_cols else np.int32), (np.float64 if wide_rew else np.float32)
 
 
 def _ring_pieces(lo: int, hi: int, cap: int) -> list[tuple[int, int, int]]:

@@ -35,8 +35,11 @@ def _config(capacity: int) -> TrajectoryTrainingConfiguration:
     )
 
 
-def _chunks(seed: int, count: int, length: int, num_envs: int):
-    """Time-major chunks of a random walk, plus each chunk's finished (env, start, end)."""
+def _chunks(seed: int, count: int, length: int, num_envs: int, widen_from: int | None = None):
+    """Time-major chunks of a random walk, plus each chunk's finished (env, start, end).
+
+    With ``widen_from``, positions are int64 and rewards float64 throughout, and from that
+    chunk on they take values beyond int32 (keys) and float32 (rewards)."""
     rng = np.random.default_rng(seed)
     pos = np.zeros((num_envs, 2), dtype=np.int32)
     open_start = np.zeros(num_envs, dtype=np.int64)
@@ -51,9 +54,16 @@ def _chunks(seed: int, count: int, length: int, num_envs: int):
         done = rng.random((length, num_envs)) < 0.08
         if c == 0:
             done[:, 0] = False  # env 0 runs one long episode across chunks
+        reward = rng.choice(np.array([0.0, 0.5, 1.0], np.float32), (length, num_envs))
+        if widen_from is not None:
+            positions = positions.astype(np.int64)
+            reward = reward.astype(np.float64)
+            if c >= widen_from:
+                positions[..., 0] += 3 << 33
+                reward[:, ::2] += 0.1  # not a float32 value
         arrays = {
             "action": rng.integers(0, 5, size=(length, num_envs), dtype=np.int32),
-            "reward": rng.choice(np.array([0.0, 0.5, 1.0], np.float32), (length, num_envs)),
+            "reward": reward,
             "done": done,
             "state:player_positions": positions,
             "state:player_inventory": rng.integers(0, 3, (length, num_envs, 1, 4), np.int32),
@@ -86,9 +96,10 @@ def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
 
 @pytest.mark.parametrize("encoded", [False, True])
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
-def test_streaming_feeder_matches_record_episode(encoded, capacity):
+@pytest.mark.parametrize("widen_from", [None, 5])
+def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from):
     length, num_envs = 16, 8
-    chunks = _chunks(3, 14, length, num_envs)
+    chunks = _chunks(3, 14, length, num_envs, widen_from)
     config = _config(capacity)
 
     streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))

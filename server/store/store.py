@@ -661,6 +661,9 @@ class TrajectoryStore:
             self._pending.clear()
 
 
+_OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
+
+
 def _segment_cumsum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Cumulative sums of float64 ``values`` restarting at every offset, in place; each
     segment bit-identical to ``np.cumsum(segment_rewards, dtype=np.float64)``."""
@@ -704,6 +707,11 @@ def _batch_outcomes(outcomes: Any, count: int) -> list[EpisodeOutcome]:
         value = int(outcomes) if isinstance(outcomes, np.integer) else outcomes
         return [EpisodeOutcome.coerce(value)] * count
     if isinstance(outcomes, np.ndarray):
+        if outcomes.ndim == 1 and outcomes.dtype.kind in "iu" and outcomes.shape[0] == count:
+            # Int codes: one table lookup each (out-of-range codes take the checked path).
+            if not count or (outcomes.min() >= 0 and outcomes.max() < len(_OUTCOMES)):
+                members = _OUTCOMES
+                return [members[c] for c in outcomes.tolist()]
         outcomes = outcomes.tolist()
     if not isinstance(outcomes, Sequence):
         raise ValueError(f"outcomes: expected an outcome or one per episode, got {outcomes!r}")
