@@ -16,15 +16,18 @@ from recorder_client import RolloutRecorder
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_serve_prints_address_and_stops_on_signal(tmp_path, sig):
     proc = ServerProcess(tmp_path / "data")
-    host, port = proc.address.rsplit(":", 1)
-    assert host == "127.0.0.1" and int(port) > 0
-    with RolloutRecorder(target=proc.address, session="cli") as rec:
-        rec.record(
-            {"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)), "done": np.ones((2, 1))}
-        )
-        assert rec.finish().num_episodes == 2
-    proc.process.send_signal(sig)
-    assert proc.process.wait(20) == 0
+    try:
+        host, port = proc.address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        with RolloutRecorder(target=proc.address, session="cli") as rec:
+            rec.record(
+                {"action": np.zeros((2, 1)), "reward": np.zeros((2, 1)), "done": np.ones((2, 1))}
+            )
+            assert rec.finish().num_episodes == 2
+        proc.process.send_signal(sig)
+        assert proc.process.wait(20) == 0
+    finally:
+        proc.stop()  # never leaves a server behind, even when an assertion failed
 
 
 def test_serve_on_unix_socket(tmp_path):
