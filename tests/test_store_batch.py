@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from store_helpers import DRAW, LOSS, WIN, episode
 
 from recorder_client.capture_types import (
     CellField,
@@ -22,18 +23,6 @@ from recorder_server.capture import TrajectoryCaptureProcessor, build_store
 from recorder_server.store import EpisodeArrays, EpisodeBatch, TrajectoryStore
 from recorder_server.store import batch as batch_mod
 from recorder_server.store.repository import encode_episode
-
-WIN, LOSS, DRAW = EpisodeOutcome.WIN, EpisodeOutcome.LOSS, EpisodeOutcome.DRAW
-
-
-def episode(pos, rewards=None) -> EpisodeArrays:
-    pos = np.asarray(pos, dtype=np.int32)
-    rewards = np.zeros(len(pos)) if rewards is None else rewards
-    return EpisodeArrays(
-        actions=np.arange(len(pos), dtype=np.int32) + 10,
-        rewards=np.asarray(rewards, dtype=np.float32),
-        states={"pos": pos},
-    )
 
 
 def config_1d(**kwargs) -> TrajectoryTrainingConfiguration:

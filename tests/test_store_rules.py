@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from store_helpers import DRAW, LOSS, WIN, episode
 
 from recorder_client.capture_types import (
     CellField,
@@ -17,19 +18,6 @@ from recorder_client.capture_types import (
 from recorder_server.store import EpisodeArrays, TrajectoryStore
 from recorder_server.store.curriculum import draw, entropy
 from recorder_server.store.repository import encode_episode
-
-WIN, LOSS, DRAW = EpisodeOutcome.WIN, EpisodeOutcome.LOSS, EpisodeOutcome.DRAW
-
-
-def episode(pos, rewards=None) -> EpisodeArrays:
-    """An episode over the scalar state field ``pos`` (one cell per distinct value)."""
-    pos = np.asarray(pos, dtype=np.int32)
-    rewards = np.zeros(len(pos)) if rewards is None else rewards
-    return EpisodeArrays(
-        actions=np.arange(len(pos), dtype=np.int32) + 10,
-        rewards=np.asarray(rewards, dtype=np.float32),
-        states={"pos": pos},
-    )
 
 
 def store_1d(**kwargs) -> TrajectoryStore:
