@@ -216,7 +216,10 @@ def test_metadata_describes_the_recorded_steps(scenario):
 
 
 @settings(SETTINGS, max_examples=150)
-@given(multi_worker_scenarios())
+# Two names for one trajectory field (positions / player_positions) make the
+# in-process "later field wins" rule depend on which worker recorded first; the
+# product refuses such state_fields, and the single-worker tests cover the rule.
+@given(multi_worker_scenarios(consistent_states=True))
 def test_multi_worker_is_per_worker_split_then_global_cut(scenario):
     model = ReferenceMultiWorker.replay(
         scenario.worker_calls(), scenario.order, **scenario.config()
