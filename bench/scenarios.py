@@ -786,8 +786,9 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
     import tempfile
 
     from workload import STATE_FIELDS as FIELDS
+    from workload import store_configuration
 
-    from recorder_client import CellField, TrajectoryTrainingConfiguration, UtilityConfig, codec
+    from recorder_client import codec
     from recorder_client._proto import recorder_pb2 as pb
     from recorder_server.metrics import MetricsConfig, MetricsTracker, NullMetrics, WriteGate
     from recorder_server.session import Session, SessionConfig
@@ -805,13 +806,7 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
                 pb.NamedArray(name=name, array=codec.encode_array(getattr(c.states, name)))
             )
         chunks.append(msg)
-    capture = TrajectoryTrainingConfiguration(
-        cell_fields=(
-            CellField("player_positions", (0, 0), bucket=4, name="x"),
-            CellField("player_positions", (0, 1), bucket=4, name="y"),
-        ),
-        utilities=(UtilityConfig("win_proximity", gamma=0.99),),
-    )
+    capture = store_configuration()
     tmp = Path(tempfile.mkdtemp(dir=ctx.tmp))
 
     def variants() -> dict[str, Any]:

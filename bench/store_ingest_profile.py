@@ -13,33 +13,23 @@ import sys
 import time
 
 sys.path.insert(0, "bench")
-from workload import make_pool  # noqa: E402
+from workload import make_pool, store_configuration  # noqa: E402
 
-from recorder_client import (  # noqa: E402
-    CellField,
-    TrajectoryTrainingConfiguration,
-    UtilityConfig,
-    codec,
-)
+from recorder_client import codec  # noqa: E402
 from recorder_client._proto import recorder_pb2 as pb  # noqa: E402
 from recorder_server.metrics import MetricsTracker  # noqa: E402
 from recorder_server.session import Session, SessionConfig  # noqa: E402
 
-CAPTURE = TrajectoryTrainingConfiguration(
-    cell_fields=(
-        CellField("player_positions", (0, 0), bucket=4, name="x"),
-        CellField("player_positions", (0, 1), bucket=4, name="y"),
-    ),
-    utilities=(UtilityConfig("win_proximity", 0.99),),
-)
+CAPTURE = store_configuration()
 STATES = ("player_positions", "player_inventory")
 
 
 def make_chunks(count: int = 80) -> list:
-    pool = make_pool(16, seed=1)
+    # Distinct chunks: a reused done pattern would leave some episodes open forever.
+    pool = make_pool(count, seed=1)
     chunks = []
     for i in range(count):
-        c = pool[i % 16]
+        c = pool[i]
         ch = pb.Chunk(sequence=i + 1)
         ch.action.CopyFrom(codec.encode_array(c.rollout.action))
         ch.reward.CopyFrom(codec.encode_array(c.rollout.reward))

@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 import numpy as np
-from workload import STATE_FIELDS, make_pool
+from workload import STATE_FIELDS, make_pool, store_configuration
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -72,16 +72,7 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
 
     capture = None
     if spec.get("capture"):
-        # The store row: 2 cell fields from positions (bucket 4), 1 utility.
-        from recorder_client import CellField, TrajectoryTrainingConfiguration, UtilityConfig
-
-        capture = TrajectoryTrainingConfiguration(
-            cell_fields=(
-                CellField("player_positions", (0, 0), bucket=4, name="x"),
-                CellField("player_positions", (0, 1), bucket=4, name="y"),
-            ),
-            utilities=(UtilityConfig("win_proximity", gamma=0.99),),
-        )
+        capture = store_configuration()
     rec = RolloutRecorder(
         record_states=True,
         state_fields=list(STATE_FIELDS),

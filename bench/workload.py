@@ -27,6 +27,26 @@ ITEM_GAIN_PROB = 0.01
 STATE_FIELDS = ("player_positions", "player_inventory")
 
 
+def store_configuration():
+    """The store rows' configuration: 2 cell fields (positions, bucket 4) and 1 utility,
+    fed by every episode: the reward-sign rule turns each return into a win or a loss."""
+    from recorder_client import (
+        CellField,
+        OutcomeRule,
+        TrajectoryTrainingConfiguration,
+        UtilityConfig,
+    )
+
+    return TrajectoryTrainingConfiguration(
+        cell_fields=(
+            CellField("player_positions", (0, 0), bucket=4, name="x"),
+            CellField("player_positions", (0, 1), bucket=4, name="y"),
+        ),
+        utilities=(UtilityConfig("win_proximity", gamma=0.99),),
+        outcome_rule=OutcomeRule("reward_sign"),
+    )
+
+
 @dataclass
 class Rollout:
     """What `collect_fn` returns as `trajectories` (attribute access, like a flax struct)."""

@@ -181,8 +181,12 @@ class TrajectoryCaptureProcessor:
             outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
         else:
             if isinstance(episodes, EpisodeColumns):
-                records = self._store.record_episode_columns(
-                    episodes, steps=step, outcomes=outcomes, start_references=start_references
+                outcome_codes = self._store.record_episode_columns(
+                    episodes,
+                    steps=step,
+                    outcomes=outcomes,
+                    start_references=start_references,
+                    records=False,
                 )
             elif is_batch:
                 records = self._store.record_episode_batch(
@@ -201,7 +205,8 @@ class TrajectoryCaptureProcessor:
                 records = self._store.record_episodes(
                     episodes, steps=step, outcomes=outcomes, start_references=start_references
                 )
-            outcome_codes = np.fromiter((r.outcome for r in records), np.int64, count=count)
+            if not isinstance(episodes, EpisodeColumns):
+                outcome_codes = np.fromiter((r.outcome for r in records), np.int64, count=count)
         per_outcome = np.bincount(outcome_codes, minlength=len(EpisodeOutcome)).tolist()
         with self._lock:
             c = self._counters

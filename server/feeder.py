@@ -19,7 +19,7 @@ import numpy as np
 
 from .capture import TrajectoryCaptureProcessor
 from .episodes import StoredChunk
-from .store import EpisodeArrays, EpisodeBatch, EpisodeColumns
+from .store import EpisodeArrays, EpisodeBatch, EpisodeColumns, kernels
 from .store.cells import _ALIASES
 
 logger = logging.getLogger(__name__)
@@ -313,19 +313,16 @@ class EpisodeFeeder:
                 tails.rewards = tails.rewards.astype(rew_type)
         cap, width = tails.capacity, columns.shape[0]
         # Env-major ring: an episode's steps lie back to back (but for one wrap).
-        columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
-        rewards = rewards.T
-        if flagged is not None:
-            flagged = flagged.reshape(length, num_envs).T
-            if tails.flagged is None:
-                tails.flagged = np.zeros((num_envs, cap), dtype=bool)
-        for t, a, b in _ring_pieces(t0, t0 + length, cap):
-            tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
-            tails.rewards[:, a:b] = rewards[:, t - t0 : t - t0 + b - a]
-            if tails.flagged is not None:
-                tails.flagged[:, a:b] = (
-                    False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
-                )
+        kernels.ring_put(tails.columns, columns.reshape(width, length, num_envs), t0, cap)
+        if rewards.dtype != tails.rewards.dtype:
+            rewards = rewards.astype(tails.rewards.dtype)  # exact: see _window_types
+        kernels.ring_put(tails.rewards[None], rewards[None], t0, cap)
+        if flagged is not None and tails.flagged is None:
+            tails.flagged = np.zeros((num_envs, cap), dtype=bool)
+        if tails.flagged is not None:
+            if flagged is None:
+                flagged = np.zeros(length * num_envs, dtype=bool)
+            kernels.ring_put(tails.flagged[None], flagged.reshape(1, length, num_envs), t0, cap)
 
     def _chunk_columns(self, held: _Held, arrays: dict[str, np.ndarray], length: int, n: int):
         """(F, length * n) cell-key columns, (length, n) rewards (their own dtype) and None
@@ -375,9 +372,10 @@ class EpisodeFeeder:
         # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
         cap = max(span, 2 * old_cap, 32 * tails.chunks[-1].length, 1)
         n = tails.num_envs
-        columns = np.zeros((width, n, cap), dtype=col_type)
-        rewards = np.zeros((n, cap), dtype=rew_type)
-        flagged = None if tails.flagged is None else np.zeros((n, cap), dtype=bool)
+        # Uninitialised: every step is written before it is read.
+        columns = np.empty((width, n, cap), dtype=col_type)
+        rewards = np.empty((n, cap), dtype=rew_type)
+        flagged = None if tails.flagged is None else np.empty((n, cap), dtype=bool)
         lo = tails.chunks[0].t0
         if old_cap and lo < t0:
             for t, a, b in _ring_pieces(lo, t0, old_cap):
@@ -409,29 +407,18 @@ class EpisodeFeeder:
             env, start, end = env[kept], start[kept], end[kept]
         lengths = end - start
         total = int(lengths.sum())
-        n, cap = tails.num_envs, tails.capacity
-        if env.size == 1:
-            times = np.arange(int(start[0]), int(end[0]), dtype=np.int64)
-        else:
-            offsets = np.zeros(env.size + 1, dtype=np.int64)
-            np.cumsum(lengths, out=offsets[1:])
-            times = np.repeat(start - offsets[:-1], lengths)
-            times += np.arange(total, dtype=np.int64)
-        index = times % cap
-        index += np.repeat(env * cap, lengths)
-        width = tails.columns.shape[0]
+        cap, width = tails.capacity, tails.columns.shape[0]
         columns = np.empty((width, total), dtype=np.int64)  # C order, as group_batch likes
-        for j in range(width):
-            ring = tails.columns[j].reshape(n * cap)
-            if ring.dtype == np.int64:
-                np.take(ring, index, out=columns[j])
-            else:
-                columns[j] = ring[index]
-        rewards = tails.rewards.reshape(n * cap)[index]  # float32 or float64: exact values
+        kernels.gather_ring(tails.columns, env, start, lengths, cap, columns)  # int32 widens
+        rewards = np.empty((1, total), dtype=tails.rewards.dtype)  # float32 or 64: exact
+        kernels.gather_ring(tails.rewards[None], env, start, lengths, cap, rewards)
+        rewards = rewards[0]
         if tails.flagged is not None:
-            bad = tails.flagged.reshape(n * cap)[index]
+            bad = np.empty((1, total), dtype=bool)
+            bad = kernels.gather_ring(tails.flagged[None], env, start, lengths, cap, bad)[0]
             if bad.any():
-                t = int(times[int(np.argmax(bad))])
+                steps = np.repeat(start, lengths) + _positions(lengths)
+                t = int(steps[int(np.argmax(bad))])
                 for chunk in held:
                     if chunk.t0 <= t < chunk.t0 + chunk.length and chunk.error is not None:
                         raise chunk.error
@@ -494,10 +481,17 @@ def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray)
     narrowed back). Halves the window's memory in the usual case."""
     wide_cols = tails.columns is not None and tails.columns.dtype == np.int64
     if not wide_cols and columns.size:
-        wide_cols = int(columns.min()) < _INT32.min or int(columns.max()) > _INT32.max
+        lows, highs = kernels.key_bounds(columns)
+        wide_cols = int(lows.min()) < _INT32.min or int(highs.max()) > _INT32.max
     wide_rew = tails.rewards is not None and tails.rewards.dtype == np.float64
     wide_rew = wide_rew or rewards.dtype not in _FLOAT32_EXACT
     return (np.int64 if wide_cols else np.int32), (np.float64 if wide_rew else np.float32)
+
+
+def _positions(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, ..., n-1 for each n in ``lengths``, back to back."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths)
 
 
 def _ring_pieces(lo: int, hi: int, cap: int) -> list[tuple[int, int, int]]:

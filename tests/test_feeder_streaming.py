@@ -177,3 +177,51 @@ def test_streaming_feeder_restore_tails_continues_identically():
     sa, sb = one.store.checkpoint_state(), two.store.checkpoint_state()
     for name, value in sa["arrays"].items():
         np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+
+
+def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
+    """A NaN in a float cell field flags its step: the batch of the chunk in which an episode
+    through that step finishes is refused (as record_episodes refuses a batch with a bad
+    episode), and every other chunk's episodes are recorded as if recorded directly."""
+    length, num_envs = 16, 8
+    chunks = _chunks(7, 10, length, num_envs)
+    for _, arrays, _, _, _ in chunks:
+        arrays["state:player_positions"] = arrays["state:player_positions"].astype(np.float64)
+    chunks[3][1]["state:player_positions"][5, 2, 0, 1] = np.nan
+    config = _config(1 << 30)
+
+    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    feeder = EpisodeFeeder("s", streamed, _Metrics())
+    try:
+        for i, (t0, arrays, env, start, end) in enumerate(chunks):
+            steps = i * length * num_envs
+            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps))
+        assert feeder.drain(30)
+    finally:
+        feeder.close()
+
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+    refused = 0
+    for i, (_, _, env, start, end) in enumerate(chunks):
+        episodes = [
+            EpisodeArrays(
+                actions=whole["action"][s:t, e],
+                rewards=whole["reward"][s:t, e],
+                states={
+                    "player_positions": whole["state:player_positions"][s:t, e],
+                    "player_inventory": whole["state:player_inventory"][s:t, e],
+                },
+            )
+            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
+        ]
+        try:
+            reference.record_episodes(episodes, None, i * length * num_envs, outcomes=0)
+        except ValueError as exc:
+            assert "non-finite" in str(exc)
+            refused += 1
+    assert refused == 1
+    sa, sb = streamed.store.checkpoint_state(), reference.store.checkpoint_state()
+    assert sa["counters"] == sb["counters"]
+    for name, value in sa["arrays"].items():
+        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)

@@ -189,8 +189,8 @@ def test_invalid_batch_records_nothing():
 @pytest.mark.parametrize(
     "limits",
     [
-        {"_DENSE_MIN": 0, "_DENSE_FACTOR": 0, "_RUN_FILTER_MIN": 0},  # np.unique grouping
-        {"_CODE_LIMIT": 0, "_RUN_FILTER_MIN": 0},  # keys as bytes
+        {"_DENSE_MIN": 0, "_DENSE_FACTOR": 0},  # np.unique codes
+        {"_CODE_LIMIT": 0},  # keys as bytes
     ],
 )
 def test_grouping_fallbacks_give_the_same_store(monkeypatch, limits):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import kernels
 from .batch import BatchCells
 from .cells import key_bytes
 
@@ -119,13 +120,7 @@ class CellArchive:
             new_per_ep = np.bincount(first_ep, minlength=num_eps).astype(np.int64)
         self.cols["visits"][ids] += cells.visits
 
-        if num_eps == 1:
-            improved, rel_tid, counts = self._replace_one(cells, ids, first_trajectory_id)
-            rel_ep = np.zeros(rel_tid.shape[0], dtype=np.int64)
-        else:
-            improved, rel_ep, rel_tid, counts = self._replace_in_order(
-                cells, ids, first_trajectory_id
-            )
+        improved, rel_ep, rel_tid, counts = self._replace_in_order(cells, ids, first_trajectory_id)
         return BatchUpdate(
             cell_ids=ids,
             new_cells=new_per_ep,
@@ -135,127 +130,39 @@ class CellArchive:
             released_count=counts,
         )
 
-    def _replace_one(
-        self, cells: BatchCells, ids: np.ndarray, trajectory_id: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Best-reference replacement for a batch of one episode (each cell has one candidate,
-        in cell order): ``(improved (1,), released tids, their counts)``."""
-        best_ret = self.cols["best_return"][ids]
-        best_step = self.cols["best_step"][ids]
-        best_traj = self.cols["best_trajectory"][ids]
-        ret, step = cells.pair_best_return, cells.pair_best_step
-        won = (best_traj < 0) | (ret > best_ret)
-        won |= (ret == best_ret) & (step < best_step)
-        old = best_traj[won]
-        old = old[old >= 0]
-        if old.size:
-            tids, counts = np.unique(old, return_counts=True)
-        else:
-            tids = counts = np.zeros(0, dtype=np.int64)
-        target = ids[won]
-        self.cols["best_trajectory"][target] = trajectory_id
-        self.cols["best_step"][target] = step[won]
-        self.cols["best_return"][target] = ret[won]
-        return np.array([np.count_nonzero(won)], dtype=np.int64), tids, counts
-
     def _replace_in_order(
         self, cells: BatchCells, ids: np.ndarray, first_trajectory_id: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Best-reference replacement for a batch, episode after episode:
-        ``(improved (E,), released_ep, released_tid, released_count)``."""
-        num_eps = cells.num_episodes
-        order = cells.cell_order
-        c_cell = cells.pair_cell[order]
-        c_ret = cells.pair_best_return[order]
-        c_step = cells.pair_best_step[order]
+        ``(improved (E,), released_ep, released_tid, released_count)``, releases sorted by
+        (episode, trajectory id)."""
         best_traj = self.cols["best_trajectory"][ids]
-        best_ret = self.cols["best_return"][ids]
         best_step = self.cols["best_step"][ids]
-        # A candidate that does not beat its cell's incumbent never beats the running best
-        # (which is at least the incumbent), so it neither improves the cell nor holds it:
-        # drop those, and the cells left without candidates.
-        inc_ret, inc_step = best_ret[c_cell], best_step[c_cell]
-        beats = (best_traj[c_cell] < 0) | (c_ret > inc_ret)
-        beats |= (c_ret == inc_ret) & (c_step < inc_step)
-        sel = np.flatnonzero(beats)
-        if sel.size == 0:
+        best_ret = self.cols["best_return"][ids]
+        improved, won, released = kernels.replace_in_order(
+            cells.pair_ep,
+            cells.pair_cell,
+            cells.pair_best_step,
+            cells.pair_best_return,
+            best_traj,
+            best_step,
+            best_ret,
+            first_trajectory_id,
+        )
+        improved = np.pad(improved, (0, cells.num_episodes - improved.shape[0]))
+        self.cols["best_trajectory"][ids] = best_traj
+        self.cols["best_step"][ids] = best_step
+        self.cols["best_return"][ids] = best_ret
+        keep = won & (released >= 0)
+        rel_ep, rel_tid = cells.pair_ep[keep], released[keep]
+        if not rel_ep.size:
             empty = np.zeros(0, dtype=np.int64)
-            return np.zeros(num_eps, dtype=np.int64), empty, empty, empty
-        order, c_cell, c_ret, c_step = order[sel], c_cell[sel], c_ret[sel], c_step[sel]
-        used = np.flatnonzero(np.bincount(c_cell, minlength=ids.shape[0]))
-        if used.shape[0] != ids.shape[0]:
-            compact = np.empty(ids.shape[0], dtype=np.int64)
-            compact[used] = np.arange(used.shape[0], dtype=np.int64)
-            c_cell = compact[c_cell]
-            ids, best_traj = ids[used], best_traj[used]
-            best_ret, best_step = best_ret[used], best_step[used]
-        num_cells = ids.shape[0]
-        c_ep = cells.pair_ep[order]
-        # Per cell, a segment: the incumbent (or a placeholder), then the batch's candidates
-        # in episode order. A candidate improves the cell iff it beats the running best of its
-        # segment so far, so a segmented running max over a rank that orders (return, -step)
-        # replays the one-at-a-time replacement rule.
-        num_pairs = order.shape[0]
-        ncand = np.bincount(c_cell, minlength=num_cells)
-        size = num_pairs + num_cells
-        start = np.arange(num_cells, dtype=np.int64) + np.cumsum(ncand) - ncand
-        cpos = np.arange(num_pairs, dtype=np.int64) + c_cell + 1
-        item_tid = np.empty(size, dtype=np.int64)
-        item_tid[start] = best_traj
-        item_tid[cpos] = first_trajectory_id + c_ep
-        item_ret = np.empty(size, dtype=np.float64)
-        item_ret[start] = best_ret
-        item_ret[cpos] = c_ret
-        item_step = np.empty(size, dtype=np.int64)
-        item_step[start] = best_step
-        item_step[cpos] = c_step
-        valid = np.ones(size, dtype=bool)
-        valid[start] = best_traj >= 0
-        rank = np.zeros(size, dtype=np.int64)
-        if size:
-            _, ret_rank = np.unique(item_ret[valid], return_inverse=True)
-            ret_rank = ret_rank.reshape(-1)
-            vstep = item_step[valid]
-            span = int(vstep.max()) + 1 if vstep.size else 1
-            rank[valid] = ret_rank * span + (span - 1 - vstep) + 1
-            width = (int(ret_rank.max()) + 1 if ret_rank.size else 0) * span + 1
-            if num_cells * width >= 1 << 62:
-                _, dense = np.unique(rank, return_inverse=True)
-                rank = dense.reshape(-1).astype(np.int64)
-                width = int(rank.max()) + 1
-            cell_of_item = np.repeat(np.arange(num_cells, dtype=np.int64), ncand + 1)
-            rank += cell_of_item * width
-        running = np.maximum.accumulate(rank)
-        won = np.zeros(size, dtype=bool)
-        won[1:] = rank[1:] > running[:-1]
-        won[start] = False
-        holder = np.where(won, np.arange(size, dtype=np.int64), 0)
-        holder[start] = start
-        holder = np.maximum.accumulate(holder)
-
-        c_won = won[cpos]
-        won_pos = cpos[c_won]
-        won_ep = c_ep[c_won]
-        improved_per_ep = np.bincount(won_ep, minlength=num_eps).astype(np.int64)
-        prev_tid = item_tid[holder[won_pos - 1]]
-        keep = prev_tid >= 0
-        rel_ep, rel_tid = won_ep[keep], prev_tid[keep]
-        if rel_ep.size:
-            low = int(rel_tid.min())
-            tid_span = int(rel_tid.max()) - low + 1
-            code, counts = np.unique(rel_ep * tid_span + (rel_tid - low), return_counts=True)
-            rel_ep, rel_tid = np.divmod(code, tid_span)
-            rel_tid += low
-        else:
-            counts = np.zeros(0, dtype=np.int64)
-
-        final = holder[start + ncand]
-        moved = final != start
-        target, final = ids[moved], final[moved]
-        self.cols["best_trajectory"][target] = item_tid[final]
-        self.cols["best_step"][target] = item_step[final]
-        self.cols["best_return"][target] = item_ret[final]
-        return improved_per_ep, rel_ep, rel_tid, counts.astype(np.int64, copy=False)
+            return improved, empty, empty, empty
+        low = int(rel_tid.min())
+        tid_span = int(rel_tid.max()) - low + 1
+        code, counts = np.unique(rel_ep * tid_span + (rel_tid - low), return_counts=True)
+        rel_ep, rel_tid = np.divmod(code, tid_span)
+        return improved, rel_ep, rel_tid + low, counts.astype(np.int64, copy=False)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Copies of every live column, for a checkpoint."""

@@ -79,6 +79,10 @@ class TrajectoryRepository:
         self.total_bytes += len(blob)
         return self.evict_to_capacity()
 
+    def discard(self, count: int) -> None:
+        """Count ``count`` episodes that no cell referenced on arrival (never stored)."""
+        self.discarded += count
+
     def release(self, released: dict[int, int]) -> None:
         """Drop references (old best trajectories of improved cells)."""
         for tid, n in released.items():

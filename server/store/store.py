@@ -17,15 +17,16 @@ import numpy as np
 
 from recorder_client.capture_types import (
     EpisodeOutcome,
+    OutcomeRule,
     TrajectoryKey,
     TrajectorySliceReference,
     TrajectoryTrainingConfiguration,
 )
 
-from . import codec
+from . import codec, kernels
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
-from .batch import discount_exponents, group_batch
+from .batch import group_batch
 from .cells import (
     EpisodeArrays,
     EpisodeBatch,
@@ -101,6 +102,7 @@ class TrajectoryStore:
         # Per utility: the sign of each outcome code; gamma -> cached gamma ** k table.
         self._sign_tables = [[u.sign(o) for o in EpisodeOutcome] for u in configuration.utilities]
         self._power_tables: dict[float, np.ndarray] = {}
+        kernels.warm_up()
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class TrajectoryStore:
             np.array([step], dtype=np.int64),
             [outcome],
             [start_reference],
-        )[0]
+        ).records()[0]
 
     def record_episodes(
         self,
@@ -214,7 +216,7 @@ class TrajectoryStore:
 
         return self._record_batch(
             lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
-        )
+        ).records()
 
     def record_episode_batch(
         self,
@@ -244,7 +246,7 @@ class TrajectoryStore:
 
         return self._record_batch(
             lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
-        )
+        ).records()
 
     def record_episode_columns(
         self,
@@ -253,11 +255,13 @@ class TrajectoryStore:
         steps: Sequence[int] | int,
         outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
         start_references: Sequence[TrajectorySliceReference | None] | None = None,
-    ) -> list[EpisodeRecord]:
+        records: bool = True,
+    ) -> list[EpisodeRecord] | np.ndarray:
         """:meth:`record_episodes` from per-step cell-key columns and rewards only: the full
         arrays of an episode are fetched (``batch.fetch(i)``, under the store's lock) only when
         the repository keeps it. Identical to recording ``batch.fetch(i)`` one by one, in
-        order, when the columns are the fetched episodes' :meth:`step_columns`."""
+        order, when the columns are the fetched episodes' :meth:`step_columns`.
+        ``records=False`` returns just the (E,) int64 outcome codes recorded."""
         if not isinstance(batch, EpisodeColumns):
             raise ValueError(f"batch: expected an EpisodeColumns, got {type(batch).__name__}")
         count = len(batch)
@@ -284,9 +288,10 @@ class TrajectoryStore:
                 )
             return encode_episode(episode, compressor=compressor)
 
-        return self._record_batch(
+        result = self._record_batch(
             lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
         )
+        return result.records() if records else result.codes
 
     def step_columns(self, states: Mapping[str, np.ndarray], length: int) -> np.ndarray:
         """The (F, length) int64 cell-key columns of ``length`` steps of state arrays (each
@@ -316,7 +321,7 @@ class TrajectoryStore:
         step_array: np.ndarray,
         outcomes: list[EpisodeOutcome],
         refs: list[TrajectorySliceReference | None],
-    ) -> list[EpisodeRecord]:
+    ) -> _BatchResult:
         """The one write path: validated per-episode arguments, the episodes' concatenated
         cumulative rewards, and callables for their (F, S) key columns and blobs."""
         count = lengths.shape[0]
@@ -324,34 +329,25 @@ class TrajectoryStore:
             bad = int(np.searchsorted(offsets, np.argmin(np.isfinite(cumulative)), "right")) - 1
             where = f" (episode {bad} of the batch)" if count > 1 else ""
             raise ValueError(f"rewards: episode has non-finite rewards or return{where}")
-        rule = self._config.outcome_rule
-        if rule.kind == "none":
-            resolved = outcomes
-        else:
-            ends = offsets[1:].tolist()
-            resolved = [
-                rule.resolve(o, float(cumulative[end - 1]) if n else 0.0)
-                for o, end, n in zip(outcomes, ends, lengths.tolist(), strict=True)
-            ]
+        codes = _resolve_outcomes(self._config.outcome_rule, outcomes, cumulative, offsets)
         cells = group_batch(columns(), cumulative, lengths, offsets) if cumulative.size else None
-        signs = self._utilities_signs(resolved)
+        signs = self._utilities_signs(codes)
         pair_sums: list[np.ndarray | None] = []
         if cells is not None:
-            exponents = None
             for config, sign in zip(self._config.utilities, signs, strict=True):
                 if sign is None:
                     pair_sums.append(None)
                     continue
-                if exponents is None:
-                    exponents = discount_exponents(offsets)
                 table = self._powers(config.gamma, int(lengths.max()))
-                pair_sums.append(cells.pair_sums(table[exponents]))
+                pair_sums.append(cells.discounted_sums(table))
+        # Episodes that start from a sample_start reference (counted under the lock).
+        with_ref = [i for i, ref in enumerate(refs) if ref is not None]
         compressor = None
         with self._lock:
             first_tid = self._repository.next_id
             self._repository.next_id += count
             improved = new = np.zeros(count, dtype=np.int64)
-            rel_bounds, rel_tid, rel_count = [0] * (count + 1), [], []
+            released_ep = rel_tid = rel_count = np.zeros(0, dtype=np.int64)
             if cells is not None:
                 update = self._archive.apply_batch(cells, first_tid, step_array)
                 new, improved = update.new_cells, update.improved
@@ -363,15 +359,20 @@ class TrajectoryStore:
                     signs,
                     len(self._archive),
                 )
-                if count == 1:
-                    rel_bounds = [0, update.released_ep.shape[0]]
-                else:
-                    rel_bounds = np.searchsorted(update.released_ep, np.arange(count + 1)).tolist()
-                rel_tid = update.released_tid.tolist()
-                rel_count = update.released_count.tolist()
+                released_ep, rel_tid = update.released_ep, update.released_tid
+                rel_count = update.released_count
             repository = self._repository
+            # Only episodes that release or keep a trajectory, or start from a reference, do
+            # anything here; every other non-empty one is just counted as discarded.
+            nonempty = lengths > 0
+            active = nonempty & (improved > 0)
+            active[released_ep] = True
+            active[with_ref] = True
+            repository.discard(int(np.count_nonzero(nonempty & (improved == 0))))
+            rel_bounds = np.searchsorted(released_ep, np.arange(count + 1)).tolist()
+            rel_tid, rel_count = rel_tid.tolist(), rel_count.tolist()
             improved_list, length_list = improved.tolist(), lengths.tolist()
-            for i in range(count):
+            for i in np.flatnonzero(active).tolist():
                 length = length_list[i]
                 if length:
                     a, b = rel_bounds[i], rel_bounds[i + 1]
@@ -382,8 +383,6 @@ class TrajectoryStore:
                         if compressor is None:
                             compressor = codec.compressor()
                         repository.add(first_tid + i, encode(i, compressor), length, n)
-                    else:
-                        repository.add(first_tid + i, b"", length, 0)
                 ref = refs[i]
                 if ref is not None:
                     self._curriculum.count_midpoint_start(self._start_cell(ref))
@@ -392,18 +391,14 @@ class TrajectoryStore:
             c["steps"] += int(offsets[-1])
             if count:
                 c["last_new_cells"], c["last_improved"] = int(new[-1]), int(improved[-1])
-        return [
-            EpisodeRecord(first_tid + i, n > 0, o, int(k), n)
-            for i, (o, k, n) in enumerate(zip(resolved, new.tolist(), improved.tolist()))
-        ]
+        return _BatchResult(first_tid, codes, new, improved)
 
-    def _utilities_signs(self, outcomes: list[EpisodeOutcome]) -> list[np.ndarray | None]:
+    def _utilities_signs(self, codes: np.ndarray) -> list[np.ndarray | None]:
         """Per utility, the (E,) sign of each episode's outcome, or None when all are 0."""
-        codes = [int(o) for o in outcomes]
         out: list[np.ndarray | None] = []
         for table in self._sign_tables:
-            signs = [table[c] for c in codes]
-            out.append(np.array(signs, dtype=np.float64) if any(signs) else None)
+            signs = np.asarray(table, dtype=np.float64)[codes]
+            out.append(signs if signs.any() else None)
         return out
 
     def _start_cell(self, ref: TrajectorySliceReference) -> TrajectoryKey | None:
@@ -664,16 +659,50 @@ class TrajectoryStore:
 _OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
 
 
+@dataclass(frozen=True)
+class _BatchResult:
+    first_tid: int
+    codes: np.ndarray
+    """(E,) int64 outcome codes recorded (after the rule)."""
+    new: np.ndarray
+    improved: np.ndarray
+
+    def records(self) -> list[EpisodeRecord]:
+        return [
+            EpisodeRecord(self.first_tid + i, n > 0, _OUTCOMES[o], k, n)
+            for i, (o, k, n) in enumerate(
+                zip(self.codes.tolist(), self.new.tolist(), self.improved.tolist(), strict=True)
+            )
+        ]
+
+
+def _resolve_outcomes(
+    rule: OutcomeRule, outcomes: list[EpisodeOutcome], cumulative: np.ndarray, offsets: np.ndarray
+) -> np.ndarray:
+    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode (its return:
+    the last cumulative reward, 0.0 for an empty episode), for the whole batch at once."""
+    codes = np.fromiter(outcomes, dtype=np.int64, count=len(outcomes))
+    if rule.kind == "none":
+        return codes
+    unknown = codes == EpisodeOutcome.UNKNOWN
+    if unknown.any():
+        ends = offsets[1:]
+        returns = np.zeros(codes.shape[0], dtype=np.float64)
+        nonempty = ends > offsets[:-1]
+        returns[nonempty] = cumulative[ends[nonempty] - 1]
+        derived = np.where(
+            returns > rule.threshold,
+            int(EpisodeOutcome.WIN),
+            np.where(returns < -rule.threshold, int(EpisodeOutcome.LOSS), int(EpisodeOutcome.DRAW)),
+        )
+        codes = np.where(unknown, derived, codes)
+    return codes
+
+
 def _segment_cumsum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Cumulative sums of float64 ``values`` restarting at every offset, in place; each
     segment bit-identical to ``np.cumsum(segment_rewards, dtype=np.float64)``."""
-    accumulate = np.add.accumulate
-    bounds = offsets.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        if b > a:
-            segment = values[a:b]
-            accumulate(segment, out=segment)
-    return values
+    return kernels.segment_cumsum(values, offsets.astype(np.int64, copy=False))
 
 
 def _check_step(step: Any, where: str) -> int:

@@ -12,6 +12,8 @@ import numpy as np
 
 from recorder_client.capture_types import UtilityConfig
 
+from . import kernels
+
 
 class UtilityTable:
     """A (num_utilities, capacity) float64 array of sums, grown alongside the archive."""
@@ -52,14 +54,9 @@ class UtilityTable:
         for u, (sums, sign) in enumerate(zip(pair_sums, signs, strict=True)):
             if sums is None or sign is None:
                 continue
-            if sign.shape[0] == 1:  # one episode: its cells are distinct
-                self.sums[u, cell_ids[pair_cell]] += sums * sign[0] + 0.0
-                continue
-            s = sign[pair_ep]
-            nonzero = s != 0.0
             # "+ 0.0" turns a -0.0 (sign -1 times an all-zero sum) into the 0.0 that summing
             # the per-step products from 0.0 gives.
-            np.add.at(self.sums[u], cell_ids[pair_cell[nonzero]], sums[nonzero] * s[nonzero] + 0.0)
+            kernels.add_pair_sums(self.sums[u], cell_ids, pair_ep, pair_cell, sums, sign)
 
     def state_arrays(self, num_cells: int) -> dict[str, np.ndarray]:
         return {

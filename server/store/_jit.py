@@ -1,0 +1,205 @@
+"""The compiled loops behind :mod:`.kernels` (imported on first use: numba takes a while)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+# numba caches compiled code beside this file; where that is read-only (an installed image
+# run as another user), it goes to the temp directory instead of failing.
+if "NUMBA_CACHE_DIR" not in os.environ and not os.access(os.path.dirname(__file__), os.W_OK):
+    os.environ["NUMBA_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "rollout-recorder-numba")
+
+from numba import njit  # noqa: E402
+
+
+@njit(cache=True, nogil=True)
+def segment_cumsum(values, offsets):  # pragma: no cover - compiled
+    """In place: running sums of float64 ``values`` restarting at every offset (each segment
+    as ``np.add.accumulate``: sequential, first element unchanged)."""
+    for e in range(offsets.shape[0] - 1):
+        a, b = offsets[e], offsets[e + 1]
+        if b > a:
+            s = values[a]
+            for t in range(a + 1, b):
+                s = s + values[t]
+                values[t] = s
+    return values
+
+
+@njit(cache=True, nogil=True)
+def group_pairs(step_codes, cumulative, offsets, num_codes):  # pragma: no cover - compiled
+    """The (episode, cell) pairs of a batch, ordered by episode then code, each with its best
+    step (highest cumulative reward, earliest on a tie); and each code's first step.
+
+    Returns ``(pair_ep, pair_code, best_index, best_return, first_step, episode_pairs)``:
+    best_index and first_step are indexes into the concatenation (first_step is
+    ``len(step_codes)`` for codes no step has); episode e owns pairs
+    episode_pairs[e]..episode_pairs[e+1]-1."""
+    num_eps = offsets.shape[0] - 1
+    num_steps = step_codes.shape[0]
+    slot = np.empty(num_codes, np.int64)
+    slot_ep = np.full(num_codes, -1, np.int64)
+    first = np.full(num_codes, num_steps, np.int64)
+    pair_ep = np.empty(num_steps, np.int64)
+    pair_code = np.empty(num_steps, np.int64)
+    best_index = np.empty(num_steps, np.int64)
+    best_return = np.empty(num_steps, np.float64)
+    episode_pairs = np.empty(num_eps + 1, np.int64)
+    p = 0
+    for e in range(num_eps):
+        lo = p
+        episode_pairs[e] = lo
+        for t in range(offsets[e], offsets[e + 1]):
+            c = step_codes[t]
+            if slot_ep[c] != e:
+                slot_ep[c] = e
+                slot[c] = p
+                pair_ep[p] = e
+                pair_code[p] = c
+                best_index[p] = t
+                best_return[p] = cumulative[t]
+                if first[c] == num_steps:
+                    first[c] = t
+                p += 1
+            else:
+                q = slot[c]
+                if cumulative[t] > best_return[q]:
+                    best_return[q] = cumulative[t]
+                    best_index[q] = t
+        if p - lo > 1:
+            order = np.argsort(pair_code[lo:p]) + lo
+            pair_code[lo:p] = pair_code[order]
+            best_index[lo:p] = best_index[order]
+            best_return[lo:p] = best_return[order]
+    episode_pairs[num_eps] = p
+    return (
+        pair_ep[:p].copy(),
+        pair_code[:p].copy(),
+        best_index[:p].copy(),
+        best_return[:p].copy(),
+        first,
+        episode_pairs,
+    )
+
+
+@njit(cache=True, nogil=True)
+def discounted_pair_sums(
+    step_codes, offsets, episode_pairs, pair_code, powers, num_codes
+):  # pragma: no cover - compiled
+    """Per pair, the sum of ``powers[k]`` over its steps, ``k`` = steps before the episode's
+    last step; each sum accumulated from 0.0 in step order."""
+    slot = np.empty(num_codes, np.int64)
+    sums = np.zeros(pair_code.shape[0], np.float64)
+    for e in range(offsets.shape[0] - 1):
+        for p in range(episode_pairs[e], episode_pairs[e + 1]):
+            slot[pair_code[p]] = p
+        last = offsets[e + 1] - 1
+        for t in range(offsets[e], offsets[e + 1]):
+            q = slot[step_codes[t]]
+            sums[q] = sums[q] + powers[last - t]
+    return sums
+
+
+@njit(cache=True, nogil=True)
+def replace_in_order(
+    pair_ep, pair_cell, pair_step, pair_return, best_traj, best_step, best_return, first_tid
+):  # pragma: no cover - compiled
+    """Best-reference replacement, pair after pair in (episode, cell) order, on copies of the
+    batch cells' incumbents (updated in place): a pair takes its cell when the cell has no
+    reference, or on a higher return, or an equal return at an earlier step.
+
+    Returns ``(improved per episode, won (P,) bool, released tid per won pair or -1)``."""
+    num_pairs = pair_ep.shape[0]
+    num_eps = 0 if num_pairs == 0 else pair_ep[num_pairs - 1] + 1
+    improved = np.zeros(num_eps, np.int64)
+    won = np.zeros(num_pairs, np.bool_)
+    released = np.full(num_pairs, -1, np.int64)
+    for p in range(num_pairs):
+        c = pair_cell[p]
+        r, s, old = pair_return[p], pair_step[p], best_traj[c]
+        if old < 0 or r > best_return[c] or (r == best_return[c] and s < best_step[c]):
+            won[p] = True
+            released[p] = old
+            improved[pair_ep[p]] += 1
+            best_traj[c] = first_tid + pair_ep[p]
+            best_step[c] = s
+            best_return[c] = r
+    return improved, won, released
+
+
+@njit(cache=True, nogil=True)
+def gather_ring(ring, env, start, lengths, capacity, out):  # pragma: no cover - compiled
+    """Copy episodes out of an env-major ring ``(rows, N, capacity)`` (time t of env e at
+    ``[:, e, t % capacity]``) into ``out`` ``(rows, total)``, episode after episode."""
+    for r in range(ring.shape[0]):
+        dst = out[r]
+        o = 0
+        for i in range(env.shape[0]):
+            row = ring[r, env[i]]
+            n = lengths[i]
+            a = start[i] % capacity
+            head = min(n, capacity - a)  # the steps before the ring wraps
+            dst[o : o + head] = row[a : a + head]  # slices: vectorised copies
+            dst[o + head : o + n] = row[: n - head]
+            o += n
+    return out
+
+
+@njit(cache=True, nogil=True)
+def add_pair_sums(sums, cell_ids, pair_ep, pair_cell, pair_sums, sign):  # pragma: no cover
+    """``sums[cell] += pair_sums[p] * sign[episode] + 0.0`` pair after pair (pairs of
+    sign 0 skipped): the order one episode at a time adds them in."""
+    for p in range(pair_ep.shape[0]):
+        s = sign[pair_ep[p]]
+        if s != 0.0:
+            c = cell_ids[pair_cell[p]]
+            sums[c] = sums[c] + (pair_sums[p] * s + 0.0)
+
+
+@njit(cache=True, nogil=True)
+def key_bounds(columns):  # pragma: no cover - compiled
+    """Per row of the (F, S) key columns (S > 0), its minimum and maximum."""
+    width, num_steps = columns.shape
+    lows = np.empty(width, np.int64)
+    highs = np.empty(width, np.int64)
+    for j in range(width):
+        lo = hi = columns[j, 0]
+        for t in range(1, num_steps):
+            v = columns[j, t]
+            if v < lo:
+                lo = v
+            elif v > hi:
+                hi = v
+        lows[j], highs[j] = lo, hi
+    return lows, highs
+
+
+@njit(cache=True, nogil=True)
+def dense_codes(columns, lows, strides, num_codes):  # pragma: no cover - compiled
+    """Mixed-radix code of every step, ``sum((key_j - low_j) * stride_j)``, and the number of
+    steps with each code."""
+    width, num_steps = columns.shape
+    codes = np.zeros(num_steps, np.int64)
+    for j in range(width):
+        lo, stride = lows[j], strides[j]
+        for t in range(num_steps):
+            codes[t] += (columns[j, t] - lo) * stride
+    counts = np.zeros(num_codes, np.int64)
+    for t in range(num_steps):
+        counts[codes[t]] += 1
+    return codes, counts
+
+
+@njit(cache=True, nogil=True)
+def ring_put(ring, block, t0, capacity):  # pragma: no cover - compiled
+    """Write a time-major ``block`` (rows, T, N) into an env-major ring (rows, N, capacity) at
+    times t0..t0+T-1 (time t at column ``t % capacity``), converting to the ring's dtype."""
+    rows, length, num_envs = block.shape
+    for r in range(rows):
+        for t in range(length):
+            col = (t0 + t) % capacity
+            for n in range(num_envs):
+                ring[r, n, col] = block[r, t, n]

@@ -1,0 +1,77 @@
+"""Compiled loops for the store's per-step work (numba; the GIL is released while they run).
+
+Each loop replaces a chain of numpy passes over every step of a batch with one pass, and adds
+floats in exactly the order the one-episode-at-a-time rules do, so results stay bit-identical
+to recording episodes one by one. numba is imported, and the loops compiled (or loaded from
+its on-disk cache), only once a store exists: :func:`warm_up` does it in the background so
+that the first chunk does not wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_warm_lock = threading.Lock()
+_warm_thread: threading.Thread | None = None
+
+
+def __getattr__(name: str):
+    from . import _jit
+
+    try:
+        return getattr(_jit, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def warm_up(wait: bool = False) -> None:
+    """Compile (or load) every loop for the array types the store and the feeder pass, once
+    per process, in a daemon thread; ``wait`` blocks until done."""
+    global _warm_thread
+    with _warm_lock:
+        if _warm_thread is None:
+            _warm_thread = threading.Thread(target=_compile_all, name="store-jit", daemon=True)
+            _warm_thread.start()
+        thread = _warm_thread
+    if wait:
+        thread.join()
+
+
+def _compile_all() -> None:
+    try:
+        from . import _jit
+
+        i64, f64 = np.zeros(2, np.int64), np.zeros(2, np.float64)
+        keys = np.zeros((2, 2), np.int64)
+        lows, _ = _jit.key_bounds(keys)
+        _jit.dense_codes(keys, lows, np.ones(2, np.int64), 1)
+        offsets = np.array([0, 2], np.int64)
+        _jit.segment_cumsum(f64.copy(), offsets)
+        pairs = _jit.group_pairs(i64, f64, offsets, 1)
+        _jit.discounted_pair_sums(i64, offsets, pairs[5], pairs[1], np.ones(2), 1)
+        one = np.zeros(1, np.int64)
+        _jit.add_pair_sums(np.zeros((1, 1))[0], one, one, one, f64[:1], f64[:1])
+        _jit.replace_in_order(one, one, one, f64[:1], one - 1, one.copy(), f64[:1].copy(), 0)
+        for ring_type, block_type in ((np.int32, np.int64), (np.int64, np.int64)):
+            _jit.ring_put(np.zeros((2, 1, 2), ring_type), np.zeros((2, 1, 1), block_type), 0, 2)
+        for ring_type in (np.float32, np.float64, np.bool_):
+            ring = np.zeros((1, 2), ring_type)
+            _jit.ring_put(ring[None], np.zeros((1, 1, 2), ring_type), 0, 2)
+        env, start, lengths = np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
+        for ring_type, out_type in (
+            (np.int32, np.int64),
+            (np.int64, np.int64),
+            (np.float32, np.float32),
+            (np.float64, np.float64),
+            (np.bool_, np.bool_),
+        ):
+            ring = np.zeros((2, 1, 2), ring_type)
+            _jit.gather_ring(ring[:1], env, start, lengths, 2, np.zeros((1, 1), out_type))
+            _jit.gather_ring(ring, env, start, lengths, 2, np.zeros((2, 1), out_type))
+    except Exception:  # compiled on first real use instead; the error shows there
+        logger.exception("trajectory store: compiling the store loops failed")
