@@ -29,6 +29,7 @@ from .store import (
     EpisodeArrays,
     EpisodeBatch,
     EpisodeColumns,
+    EpisodeWindow,
     TrajectoryStore,
     decode_checkpoint_state,
     encode_checkpoint_state,
@@ -137,7 +138,7 @@ class TrajectoryCaptureProcessor:
         is recorded or counted (ValueError). Without a store only the counters move, with O(1)
         work per episode.
         """
-        is_batch = isinstance(trajectory_files, (EpisodeBatch, EpisodeColumns))
+        is_batch = isinstance(trajectory_files, (EpisodeBatch, EpisodeColumns, EpisodeWindow))
         if not is_batch and (
             isinstance(trajectory_files, (EpisodeArrays, Mapping))
             or not isinstance(trajectory_files, Sequence)
@@ -180,7 +181,15 @@ class TrajectoryCaptureProcessor:
         if self._store is None:
             outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
         else:
-            if isinstance(episodes, EpisodeColumns):
+            if isinstance(episodes, EpisodeWindow):
+                outcome_codes = self._store.record_episode_window(
+                    episodes,
+                    steps=step,
+                    outcomes=outcomes,
+                    start_references=start_references,
+                    records=False,
+                )
+            elif isinstance(episodes, EpisodeColumns):
                 outcome_codes = self._store.record_episode_columns(
                     episodes,
                     steps=step,
@@ -205,7 +214,7 @@ class TrajectoryCaptureProcessor:
                 records = self._store.record_episodes(
                     episodes, steps=step, outcomes=outcomes, start_references=start_references
                 )
-            if not isinstance(episodes, EpisodeColumns):
+            if not isinstance(episodes, (EpisodeColumns, EpisodeWindow)):
                 outcome_codes = np.fromiter((r.outcome for r in records), np.int64, count=count)
         per_outcome = np.bincount(outcome_codes, minlength=len(EpisodeOutcome)).tolist()
         with self._lock:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .capture import TrajectoryCaptureProcessor
 from .episodes import StoredChunk
-from .store import EpisodeArrays, EpisodeBatch, EpisodeColumns, kernels
+from .store import EpisodeArrays, EpisodeBatch, EpisodeWindow, kernels
 from .store.cells import _ALIASES
 
 logger = logging.getLogger(__name__)
@@ -313,16 +313,19 @@ class EpisodeFeeder:
                 tails.rewards = tails.rewards.astype(rew_type)
         cap, width = tails.capacity, columns.shape[0]
         # Env-major ring: an episode's steps lie back to back (but for one wrap).
-        kernels.ring_put(tails.columns, columns.reshape(width, length, num_envs), t0, cap)
-        if rewards.dtype != tails.rewards.dtype:
-            rewards = rewards.astype(tails.rewards.dtype)  # exact: see _window_types
-        kernels.ring_put(tails.rewards[None], rewards[None], t0, cap)
-        if flagged is not None and tails.flagged is None:
-            tails.flagged = np.zeros((num_envs, cap), dtype=bool)
-        if tails.flagged is not None:
-            if flagged is None:
-                flagged = np.zeros(length * num_envs, dtype=bool)
-            kernels.ring_put(tails.flagged[None], flagged.reshape(1, length, num_envs), t0, cap)
+        columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
+        rewards = rewards.T
+        if flagged is not None:
+            flagged = flagged.reshape(length, num_envs).T
+            if tails.flagged is None:
+                tails.flagged = np.zeros((num_envs, cap), dtype=bool)
+        for t, a, b in _ring_pieces(t0, t0 + length, cap):
+            tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
+            tails.rewards[:, a:b] = rewards[:, t - t0 : t - t0 + b - a]
+            if tails.flagged is not None:
+                tails.flagged[:, a:b] = (
+                    False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
+                )
 
     def _chunk_columns(self, held: _Held, arrays: dict[str, np.ndarray], length: int, n: int):
         """(F, length * n) cell-key columns, (length, n) rewards (their own dtype) and None
@@ -394,9 +397,9 @@ class EpisodeFeeder:
 
     def _gather(
         self, tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
-    ) -> tuple[EpisodeColumns, np.ndarray]:
-        """The finished episodes' cell-key columns and rewards, back to back, from the
-        window; full arrays are fetched from the held chunks only for stored episodes.
+    ) -> tuple[EpisodeWindow, np.ndarray]:
+        """The finished episodes as read in place from the window (their cell-key columns and
+        rewards); full arrays are fetched from the held chunks only for stored episodes.
 
         Episodes whose beginning was dropped under the tail cap are left out (kept[i]
         is False) rather than stored truncated.
@@ -407,12 +410,7 @@ class EpisodeFeeder:
             env, start, end = env[kept], start[kept], end[kept]
         lengths = end - start
         total = int(lengths.sum())
-        cap, width = tails.capacity, tails.columns.shape[0]
-        columns = np.empty((width, total), dtype=np.int64)  # C order, as group_batch likes
-        kernels.gather_ring(tails.columns, env, start, lengths, cap, columns)  # int32 widens
-        rewards = np.empty((1, total), dtype=tails.rewards.dtype)  # float32 or 64: exact
-        kernels.gather_ring(tails.rewards[None], env, start, lengths, cap, rewards)
-        rewards = rewards[0]
+        cap = tails.capacity
         if tails.flagged is not None:
             bad = np.empty((1, total), dtype=bool)
             bad = kernels.gather_ring(tails.flagged[None], env, start, lengths, cap, bad)[0]
@@ -441,7 +439,7 @@ class EpisodeFeeder:
             states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
             return EpisodeArrays(joined["action"], joined["reward"], states)
 
-        return EpisodeColumns(rewards, columns, lengths, fetch), kept
+        return EpisodeWindow(tails.columns, tails.rewards, env, start, lengths, fetch), kept
 
     @staticmethod
     def _decoded(tails: _WorkerTails, chunk: _Held) -> dict[str, np.ndarray]:

@@ -30,7 +30,7 @@ from .durability import (
 from .episodes import NoEpisodesError
 from .metrics import MetricsTracker
 from .session import Session, SessionConfig, SessionError, check_session_name
-from .store import EpisodeArrays
+from .store import EpisodeArrays, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,12 @@ class RecorderService(pb_grpc.RecorderServicer):
         try:
             session = self.join(request.session, request.config, request.worker_id)
             timeline = session.workers[request.worker_id]
+            if session.processor.store is not None:
+                # The store's compiled loops load in about a second (a first compile on a
+                # fresh install takes longer): let the worker start once they are ready.
+                remaining = context.time_remaining()
+                budget = 30.0 if remaining is None else max(0.0, min(30.0, remaining - 1.0))
+                kernels.warm_up(wait=True, timeout=budget)
             return pb.JoinReply(
                 worker_index=timeline.index,
                 last_sequence=session.last_sequence[request.worker_id],

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from recorder_client import codec
-from recorder_client.capture_types import CellField, TrajectoryTrainingConfiguration, UtilityConfig
+from recorder_client.capture_types import (
+    CellField,
+    OutcomeRule,
+    TrajectoryTrainingConfiguration,
+    UtilityConfig,
+)
 from recorder_server.capture import TrajectoryCaptureProcessor, build_store
 from recorder_server.episodes import EncodedArray, StoredChunk
 from recorder_server.feeder import ChunkEpisodes, EpisodeFeeder
@@ -30,7 +35,9 @@ def _config(capacity: int) -> TrajectoryTrainingConfiguration:
             CellField("player_positions", (0, 0), bucket=2, name="x"),
             CellField("player_positions", (0, 1), bucket=2, name="y"),
         ),
-        utilities=(UtilityConfig("win_proximity", 0.9),),
+        utilities=(UtilityConfig("win_proximity", 0.9), UtilityConfig("slow", 0.5)),
+        # Every episode a win or a loss, so both utilities take every episode's steps.
+        outcome_rule=OutcomeRule("reward_sign", 0.25),
         repository_capacity_bytes=capacity,
     )
 

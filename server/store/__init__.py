@@ -3,7 +3,7 @@
 Pure Python + numpy (+ zstandard); no gRPC. See DESIGN.md, "Trajectory store".
 """
 
-from .cells import EpisodeArrays, EpisodeBatch, EpisodeColumns
+from .cells import EpisodeArrays, EpisodeBatch, EpisodeColumns, EpisodeWindow
 from .store import (
     CHECKPOINT_FORMAT,
     CellInfo,
@@ -20,6 +20,7 @@ __all__ = [
     "EpisodeBatch",
     "EpisodeColumns",
     "EpisodeRecord",
+    "EpisodeWindow",
     "TrajectoryStore",
     "decode_checkpoint_state",
     "encode_checkpoint_state",

@@ -162,18 +162,11 @@ def add_pair_sums(sums, cell_ids, pair_ep, pair_cell, pair_sums, sign):  # pragm
 @njit(cache=True, nogil=True)
 def key_bounds(columns):  # pragma: no cover - compiled
     """Per row of the (F, S) key columns (S > 0), its minimum and maximum."""
-    width, num_steps = columns.shape
+    width = columns.shape[0]
     lows = np.empty(width, np.int64)
     highs = np.empty(width, np.int64)
     for j in range(width):
-        lo = hi = columns[j, 0]
-        for t in range(1, num_steps):
-            v = columns[j, t]
-            if v < lo:
-                lo = v
-            elif v > hi:
-                hi = v
-        lows[j], highs[j] = lo, hi
+        lows[j], highs[j] = columns[j].min(), columns[j].max()  # vectorised reductions
     return lows, highs
 
 
@@ -194,12 +187,168 @@ def dense_codes(columns, lows, strides, num_codes):  # pragma: no cover - compil
 
 
 @njit(cache=True, nogil=True)
-def ring_put(ring, block, t0, capacity):  # pragma: no cover - compiled
-    """Write a time-major ``block`` (rows, T, N) into an env-major ring (rows, N, capacity) at
-    times t0..t0+T-1 (time t at column ``t % capacity``), converting to the ring's dtype."""
-    rows, length, num_envs = block.shape
+def window_bounds(ring, env, start, lengths, capacity):  # pragma: no cover - compiled
+    """Per row of an env-major ring (rows, N, capacity), the minimum and maximum over the
+    episodes' steps (env[i], times start[i]..start[i]+lengths[i]-1); at least one step."""
+    rows = ring.shape[0]
+    lows = np.empty(rows, np.int64)
+    highs = np.empty(rows, np.int64)
     for r in range(rows):
-        for t in range(length):
-            col = (t0 + t) % capacity
-            for n in range(num_envs):
-                ring[r, n, col] = block[r, t, n]
+        lo = hi = np.int64(ring[r, env[0], start[0] % capacity])
+        for i in range(env.shape[0]):
+            row = ring[r, env[i]]
+            a = start[i] % capacity
+            head = min(lengths[i], capacity - a)
+            # Slices (the run before the ring wraps, then the rest): vectorised reductions.
+            for seg in (row[a : a + head], row[: lengths[i] - head]):
+                if seg.size:
+                    lo = min(lo, np.int64(seg.min()))
+                    hi = max(hi, np.int64(seg.max()))
+        lows[r], highs[r] = lo, hi
+    return lows, highs
+
+
+@njit(cache=True, nogil=True)
+def window_pairs(
+    ring, ring_rewards, capacity, env, start, offsets, lows, strides, num_codes, powers
+):  # pragma: no cover - compiled
+    """:func:`group_pairs` and :func:`discounted_pair_sums` in one pass over episodes read in
+    place from an env-major ring (keys (rows, N, capacity), rewards (N, capacity)), coding
+    each step's key as ``sum((key_j - lows_j) * strides_j)`` and summing the rewards into
+    float64 cumulative returns on the way (as :func:`segment_cumsum`). A run of steps in one
+    cell keeps that cell's count, best step and sums in registers (the same additions, in the
+    same order, as step by step through memory).
+
+    Returns ``(pair_ep, pair_code, best_index, best_return, first_step, episode_pairs,
+    counts, returns, bad, sums)``: counts per code, each episode's return (0.0 when empty),
+    the index of the first step whose cumulative reward is not finite (-1: none), and the
+    (U, P) discounted sums for each row of ``powers``."""
+    num_eps = env.shape[0]
+    num_steps = offsets[num_eps]
+    rows = ring.shape[0]
+    num_util = powers.shape[0]
+    seen = np.full(num_codes, -1, np.int64)
+    code_index = np.empty(num_codes, np.int64)
+    code_return = np.empty(num_codes, np.float64)
+    code_sums = np.empty((num_codes, max(num_util, 1)), np.float64)
+    touched = np.empty(min(num_codes, num_steps), np.int64)
+    first = np.full(num_codes, num_steps, np.int64)
+    counts = np.zeros(num_codes, np.int64)
+    bound = min(num_steps, num_eps * num_codes)
+    pair_ep = np.empty(bound, np.int64)
+    pair_code = np.empty(bound, np.int64)
+    best_index = np.empty(bound, np.int64)
+    best_return = np.empty(bound, np.float64)
+    sums = np.empty((num_util, bound), np.float64)
+    episode_pairs = np.empty(num_eps + 1, np.int64)
+    returns = np.zeros(num_eps, np.float64)
+    codes = np.empty(capacity, np.int64)
+    acc = np.empty(max(num_util, 1), np.float64)
+    bad = -1
+    p = 0
+    for e in range(num_eps):
+        episode_pairs[e] = p
+        n = offsets[e + 1] - offsets[e]
+        if n == 0:
+            continue
+        base = offsets[e]
+        last = n - 1
+        a = start[e] % capacity
+        head = min(n, capacity - a)
+        # codes of the episode's steps (vectorisable)
+        for j in range(n):
+            codes[j] = 0
+        for r in range(rows):
+            row = ring[r, env[e]]
+            lo, st = lows[r], strides[r]
+            for j in range(head):
+                codes[j] += (np.int64(row[a + j]) - lo) * st
+            for j in range(head, n):
+                codes[j] += (np.int64(row[j - head]) - lo) * st
+        rew = ring_rewards[env[e]]
+        nt = 0
+        s = 0.0
+        cur = -1
+        run = 0
+        best = 0.0
+        bidx = 0
+        a0 = 0.0
+        for j in range(n):
+            code = codes[j]
+            col = a + j if j < head else j - head
+            reward = np.float64(rew[col])
+            s = reward if j == 0 else s + reward
+            if code != cur:
+                if cur >= 0:  # flush the run
+                    counts[cur] += run
+                    code_return[cur] = best
+                    code_index[cur] = bidx
+                    if num_util:
+                        code_sums[cur, 0] = a0
+                    for u in range(1, num_util):
+                        code_sums[cur, u] = acc[u]
+                cur = code
+                run = 0
+                if seen[code] != e:
+                    seen[code] = e
+                    touched[nt] = code
+                    nt += 1
+                    best = s
+                    bidx = base + j
+                    if first[code] == num_steps:
+                        first[code] = base + j
+                    a0 = 0.0
+                    for u in range(1, num_util):
+                        acc[u] = 0.0
+                else:
+                    best = code_return[code]
+                    bidx = code_index[code]
+                    a0 = code_sums[code, 0] if num_util else 0.0
+                    for u in range(1, num_util):
+                        acc[u] = code_sums[code, u]
+            run += 1
+            if s > best:
+                best = s
+                bidx = base + j
+            if num_util:
+                a0 = a0 + powers[0, last - j]
+            for u in range(1, num_util):
+                acc[u] = acc[u] + powers[u, last - j]
+        counts[cur] += run
+        code_return[cur] = best
+        code_index[cur] = bidx
+        if num_util:
+            code_sums[cur, 0] = a0
+        for u in range(1, num_util):
+            code_sums[cur, u] = acc[u]
+        returns[e] = s
+        if bad < 0 and not np.isfinite(s):
+            # the first non-finite cumulative of this episode
+            s2 = 0.0
+            for j in range(n):
+                col = a + j if j < head else j - head
+                s2 = np.float64(rew[col]) if j == 0 else s2 + np.float64(rew[col])
+                if not np.isfinite(s2):
+                    bad = base + j
+                    break
+        for code in np.sort(touched[:nt]):
+            pair_ep[p] = e
+            pair_code[p] = code
+            best_index[p] = code_index[code]
+            best_return[p] = code_return[code]
+            for u in range(num_util):
+                sums[u, p] = code_sums[code, u]
+            p += 1
+    episode_pairs[num_eps] = p
+    return (
+        pair_ep[:p].copy(),
+        pair_code[:p].copy(),
+        best_index[:p].copy(),
+        best_return[:p].copy(),
+        first,
+        episode_pairs,
+        counts,
+        returns,
+        bad,
+        sums[:, :p].copy(),
+    )

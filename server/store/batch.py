@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .cells import key_bytes
+from .cells import EpisodeWindow, key_bytes
 
 # Dense bincount-based grouping is used while the number of bins is at most
 # max(_DENSE_FACTOR * steps, _DENSE_MIN); beyond that, np.unique (a sort) is cheaper.
@@ -49,8 +49,8 @@ class BatchCells:
     """(U,) int64 steps spent in each cell over the batch."""
     codes: np.ndarray
     """(U,) code of each distinct cell."""
-    step_codes: np.ndarray
-    """(S,) int64 code of each step's cell."""
+    step_codes: np.ndarray | None
+    """(S,) int64 code of each step's cell (None when ``pair_discounted`` is given)."""
     num_codes: int
     first_step: np.ndarray
     """(num_codes,) index of the first step with each code (S for codes no step has)."""
@@ -66,16 +66,20 @@ class BatchCells:
     """(P,) 0-based step within the episode: highest cumulative reward, earliest on a tie."""
     pair_best_return: np.ndarray
     """(P,) float64 cumulative reward at that step."""
+    pair_discounted: np.ndarray | None = None
+    """(U, P) :meth:`discounted_sums` of every utility, when computed with the grouping."""
 
     @property
     def num_episodes(self) -> int:
         return int(self.lengths.shape[0])
 
-    def discounted_sums(self, powers: np.ndarray) -> np.ndarray:
+    def discounted_sums(self, utility: int, powers: np.ndarray) -> np.ndarray:
         """(P,) per-pair sums of ``powers[k]`` over the pair's steps, ``k`` the steps before
         the episode's last step, each accumulated in step order from 0.0 (bit-identical to a
         per-episode ``np.bincount(inverse, powers[k])``). ``powers``: float64, at least as
-        long as the longest episode."""
+        long as the longest episode, of utility number ``utility``."""
+        if self.pair_discounted is not None:
+            return self.pair_discounted[utility]
         return kernels.discounted_pair_sums(
             self.step_codes,
             self.offsets,
@@ -176,3 +180,80 @@ def group_batch(
         pair_best_step=best_index - offsets[pair_ep],
         pair_best_return=best_return,
     )
+
+
+def group_window(
+    window: EpisodeWindow, powers: np.ndarray
+) -> tuple[BatchCells | None, np.ndarray, int] | None:
+    """:func:`group_batch` (with each episode's return, the first non-finite-return step or
+    -1, and every utility's discounted sums for the (U, L) ``powers``) for episodes read in
+    place from a window, in one compiled pass; None when the keys' code space is too wide
+    for a dense table (group the copied-out steps then)."""
+    lengths, offsets = window.lengths, window.offsets
+    num_steps = int(offsets[-1])
+    if num_steps == 0:
+        return None, np.zeros(lengths.shape[0], dtype=np.float64), -1
+    ring, capacity = window.key_ring, window.capacity
+    lows, highs = kernels.window_bounds(ring, window.env, window.start, lengths, capacity)
+    ranges = [h - lo + 1 for h, lo in zip(highs.tolist(), lows.tolist())]
+    total = 1
+    for r in ranges:
+        total *= r
+    if total > _dense_limit(num_steps):
+        return None
+    strides = [1] * len(ranges)
+    for j in range(len(ranges) - 2, -1, -1):
+        strides[j] = strides[j + 1] * ranges[j + 1]
+    (
+        pair_ep,
+        pair_code,
+        best_index,
+        best_return,
+        first_step,
+        episode_pairs,
+        counts,
+        returns,
+        bad,
+        sums,
+    ) = kernels.window_pairs(
+        ring,
+        window.reward_ring,
+        capacity,
+        window.env,
+        window.start,
+        offsets,
+        lows,
+        np.array(strides, dtype=np.int64),
+        total,
+        powers,
+    )
+    if bad >= 0:
+        return None, returns, int(bad)
+    codes = np.flatnonzero(counts)
+    keys = np.stack(np.unravel_index(codes, ranges), axis=1)
+    keys += lows
+    if codes.shape[0] == total:
+        pair_cell = pair_code
+    else:
+        cell_of_code = np.empty(total, dtype=np.int64)
+        cell_of_code[codes] = np.arange(codes.shape[0], dtype=np.int64)
+        pair_cell = cell_of_code[pair_code]
+    cells = BatchCells(
+        lengths=lengths,
+        offsets=offsets,
+        keys=keys,
+        key_ids=key_bytes(keys).tolist(),
+        visits=counts[codes],
+        codes=codes,
+        step_codes=None,
+        num_codes=total,
+        first_step=first_step,
+        pair_ep=pair_ep,
+        pair_cell=pair_cell,
+        pair_code=pair_code,
+        episode_pairs=episode_pairs,
+        pair_best_step=best_index - offsets[pair_ep],
+        pair_best_return=best_return,
+        pair_discounted=sums,
+    )
+    return cells, returns, -1

@@ -335,3 +335,70 @@ class EpisodeColumns:
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class EpisodeWindow:
+    """Several episodes read in place from a worker's env-major window (the streaming feeder's
+    rings): environment ``env[i]``'s steps ``start[i]..start[i]+lengths[i]-1``, time t at
+    column ``t % capacity`` of ``key_ring`` (F, N, capacity) ints (the cell-key columns, as
+    :func:`field_column` gives them) and ``reward_ring`` (N, capacity) floats, with the full
+    arrays fetched on demand. The input of :meth:`TrajectoryStore.record_episode_window`:
+    recording it equals recording :meth:`as_columns`, without copying the steps out first.
+    """
+
+    key_ring: np.ndarray
+    reward_ring: np.ndarray
+    env: np.ndarray
+    start: np.ndarray
+    lengths: np.ndarray
+    fetch: Callable[[int], Any] = field(repr=False)
+    offsets: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys, rewards = self.key_ring, self.reward_ring
+        if keys.ndim != 3 or keys.dtype.kind != "i" or not keys.flags.c_contiguous:
+            raise ValueError(f"key_ring: expected a C-contiguous (F, N, C) int array, got {keys!r}")
+        if rewards.shape != keys.shape[1:] or rewards.dtype not in (np.float32, np.float64):
+            raise ValueError(f"reward_ring: expected ({keys.shape[1:]}) floats, got {rewards!r}")
+        env, start, lengths = (
+            np.ascontiguousarray(a, dtype=np.int64) for a in (self.env, self.start, self.lengths)
+        )
+        if not env.shape == start.shape == lengths.shape or env.ndim != 1:
+            raise ValueError("env, start, lengths: expected three (E,) arrays")
+        if env.size and (
+            env.min() < 0
+            or env.max() >= keys.shape[1]
+            or lengths.min() < 0
+            or lengths.max() > keys.shape[2]
+            or start.min() < 0
+        ):
+            raise ValueError("env, start, lengths: out of the window's range")
+        offsets = np.zeros(env.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        object.__setattr__(self, "env", env)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "lengths", lengths)
+        object.__setattr__(self, "offsets", offsets)
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.key_ring.shape[2])
+
+    def as_columns(self) -> EpisodeColumns:
+        """The same episodes with their steps copied out (an EpisodeColumns)."""
+        from . import kernels
+
+        total = int(self.offsets[-1])
+        columns = np.empty((self.key_ring.shape[0], total), dtype=np.int64)
+        kernels.gather_ring(
+            self.key_ring, self.env, self.start, self.lengths, self.capacity, columns
+        )
+        rewards = np.empty((1, total), dtype=self.reward_ring.dtype)
+        kernels.gather_ring(
+            self.reward_ring[None], self.env, self.start, self.lengths, self.capacity, rewards
+        )
+        return EpisodeColumns(rewards[0], columns, self.lengths, self.fetch)

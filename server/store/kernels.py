@@ -29,9 +29,10 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
-def warm_up(wait: bool = False) -> None:
+def warm_up(wait: bool = False, timeout: float | None = None) -> bool:
     """Compile (or load) every loop for the array types the store and the feeder pass, once
-    per process, in a daemon thread; ``wait`` blocks until done."""
+    per process, in a daemon thread. ``wait``: block until done or ``timeout`` seconds
+    passed; returns whether the loops are ready."""
     global _warm_thread
     with _warm_lock:
         if _warm_thread is None:
@@ -39,7 +40,8 @@ def warm_up(wait: bool = False) -> None:
             _warm_thread.start()
         thread = _warm_thread
     if wait:
-        thread.join()
+        thread.join(timeout)
+    return not thread.is_alive()
 
 
 def _compile_all() -> None:
@@ -57,12 +59,23 @@ def _compile_all() -> None:
         one = np.zeros(1, np.int64)
         _jit.add_pair_sums(np.zeros((1, 1))[0], one, one, one, f64[:1], f64[:1])
         _jit.replace_in_order(one, one, one, f64[:1], one - 1, one.copy(), f64[:1].copy(), 0)
-        for ring_type, block_type in ((np.int32, np.int64), (np.int64, np.int64)):
-            _jit.ring_put(np.zeros((2, 1, 2), ring_type), np.zeros((2, 1, 1), block_type), 0, 2)
-        for ring_type in (np.float32, np.float64, np.bool_):
-            ring = np.zeros((1, 2), ring_type)
-            _jit.ring_put(ring[None], np.zeros((1, 1, 2), ring_type), 0, 2)
         env, start, lengths = np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
+        for key_type in (np.int32, np.int64):
+            keys = np.zeros((2, 1, 2), key_type)
+            lows, _ = _jit.window_bounds(keys, env, start, lengths, 2)
+            for reward_type in (np.float32, np.float64):
+                _jit.window_pairs(
+                    keys,
+                    np.zeros((1, 2), reward_type),
+                    2,
+                    env,
+                    start,
+                    offsets[:2] // 2,
+                    lows,
+                    np.ones(2, np.int64),
+                    1,
+                    np.ones((1, 2)),
+                )
         for ring_type, out_type in (
             (np.int32, np.int64),
             (np.int64, np.int64),

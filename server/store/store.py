@@ -26,11 +26,12 @@ from recorder_client.capture_types import (
 from . import codec, kernels
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
-from .batch import group_batch
+from .batch import BatchCells, group_batch, group_window
 from .cells import (
     EpisodeArrays,
     EpisodeBatch,
     EpisodeColumns,
+    EpisodeWindow,
     batch_cell_columns,
     cell_keys,
     field_column,
@@ -157,11 +158,11 @@ class TrajectoryStore:
         def encode(i: int, compressor: Any) -> bytes:
             return encode_episode(episode, compressor=compressor)
 
+        lengths, offsets = np.array([length], dtype=np.int64), np.array([0, length], np.int64)
         return self._record_batch(
-            np.array([length], dtype=np.int64),
-            np.array([0, length], dtype=np.int64),
-            cumulative,
-            columns,
+            lengths,
+            offsets,
+            _columns_grouping(cumulative, columns, lengths, offsets),
             encode,
             np.array([step], dtype=np.int64),
             [outcome],
@@ -214,8 +215,9 @@ class TrajectoryStore:
         def encode(i: int, compressor: Any) -> bytes:
             return encode_episode(episodes[i], compressor=compressor)
 
+        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         return self._record_batch(
-            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_list, refs
         ).records()
 
     def record_episode_batch(
@@ -244,8 +246,9 @@ class TrajectoryStore:
         def encode(i: int, compressor: Any) -> bytes:
             return encode_episode(batch.episode(i), compressor=compressor)
 
+        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         return self._record_batch(
-            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_list, refs
         ).records()
 
     def record_episode_columns(
@@ -288,8 +291,61 @@ class TrajectoryStore:
                 )
             return encode_episode(episode, compressor=compressor)
 
+        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         result = self._record_batch(
-            lengths, offsets, cumulative, columns, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_list, refs
+        )
+        return result.records() if records else result.codes
+
+    def record_episode_window(
+        self,
+        window: EpisodeWindow,
+        *,
+        steps: Sequence[int] | int,
+        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+        records: bool = True,
+    ) -> list[EpisodeRecord] | np.ndarray:
+        """:meth:`record_episode_columns` for episodes read in place from a feeder's window
+        (identical to recording ``window.as_columns()``): when the batch's keys span a small
+        range, the steps are grouped in one compiled pass without being copied out."""
+        if not isinstance(window, EpisodeWindow):
+            raise ValueError(f"window: expected an EpisodeWindow, got {type(window).__name__}")
+        width = len(self._config.cell_fields)
+        if window.key_ring.shape[0] != width:
+            raise ValueError(
+                f"key_ring: expected {width} rows (one per cell field), got "
+                f"{window.key_ring.shape[0]}"
+            )
+        count = len(window)
+        step_array = _batch_steps(steps, count)
+        lengths, offsets = window.lengths, window.offsets
+        outcome_list = _batch_outcomes(outcomes, count)
+        refs = _batch_references(start_references, count)
+
+        def fallback() -> _Grouping:
+            batch = window.as_columns()
+            cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
+            return _columns_grouping(cumulative, lambda: batch.columns, lengths, offsets)()
+
+        def grouping() -> _Grouping:
+            table = np.zeros((len(self._config.utilities), max(int(lengths.max(initial=0)), 1)))
+            for u, config in enumerate(self._config.utilities):
+                table[u] = self._powers(config.gamma, table.shape[1])[: table.shape[1]]
+            grouped = group_window(window, table)
+            return fallback() if grouped is None else grouped
+
+        def encode(i: int, compressor: Any) -> bytes:
+            episode = EpisodeArrays.coerce(window.fetch(i))
+            if episode.length != int(lengths[i]):
+                raise ValueError(
+                    f"fetch({i}): expected an episode of {int(lengths[i])} steps, got "
+                    f"{episode.length}"
+                )
+            return encode_episode(episode, compressor=compressor)
+
+        result = self._record_batch(
+            lengths, offsets, grouping, encode, step_array, outcome_list, refs
         )
         return result.records() if records else result.codes
 
@@ -315,31 +371,30 @@ class TrajectoryStore:
         self,
         lengths: np.ndarray,
         offsets: np.ndarray,
-        cumulative: np.ndarray,
-        columns: Callable[[], np.ndarray],
+        grouping: Callable[[], _Grouping],
         encode: Callable[[int, Any], bytes],
         step_array: np.ndarray,
         outcomes: list[EpisodeOutcome],
         refs: list[TrajectorySliceReference | None],
     ) -> _BatchResult:
-        """The one write path: validated per-episode arguments, the episodes' concatenated
-        cumulative rewards, and callables for their (F, S) key columns and blobs."""
+        """The one write path: validated per-episode arguments, a callable grouping the steps
+        by cell (with each episode's return), and one for the blobs."""
         count = lengths.shape[0]
-        if cumulative.size and not np.isfinite(cumulative).all():
-            bad = int(np.searchsorted(offsets, np.argmin(np.isfinite(cumulative)), "right")) - 1
-            where = f" (episode {bad} of the batch)" if count > 1 else ""
+        cells, returns, bad = grouping()
+        if bad >= 0:
+            where = f" (episode {int(np.searchsorted(offsets, bad, 'right')) - 1} of the batch)"
+            where = where if count > 1 else ""
             raise ValueError(f"rewards: episode has non-finite rewards or return{where}")
-        codes = _resolve_outcomes(self._config.outcome_rule, outcomes, cumulative, offsets)
-        cells = group_batch(columns(), cumulative, lengths, offsets) if cumulative.size else None
+        codes = _resolve_outcomes(self._config.outcome_rule, outcomes, returns)
         signs = self._utilities_signs(codes)
         pair_sums: list[np.ndarray | None] = []
         if cells is not None:
-            for config, sign in zip(self._config.utilities, signs, strict=True):
+            for u, (config, sign) in enumerate(zip(self._config.utilities, signs, strict=True)):
                 if sign is None:
                     pair_sums.append(None)
                     continue
                 table = self._powers(config.gamma, int(lengths.max()))
-                pair_sums.append(cells.discounted_sums(table))
+                pair_sums.append(cells.discounted_sums(u, table))
         # Episodes that start from a sample_start reference (counted under the lock).
         with_ref = [i for i, ref in enumerate(refs) if ref is not None]
         compressor = None
@@ -659,6 +714,11 @@ class TrajectoryStore:
 _OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
 
 
+# What grouping a batch gives: its cells (None: no steps), each episode's return, and the
+# index of the first step with a non-finite return (-1: none).
+_Grouping = tuple[BatchCells | None, np.ndarray, int]
+
+
 @dataclass(frozen=True)
 class _BatchResult:
     first_tid: int
@@ -677,19 +737,15 @@ class _BatchResult:
 
 
 def _resolve_outcomes(
-    rule: OutcomeRule, outcomes: list[EpisodeOutcome], cumulative: np.ndarray, offsets: np.ndarray
+    rule: OutcomeRule, outcomes: list[EpisodeOutcome], returns: np.ndarray
 ) -> np.ndarray:
-    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode (its return:
-    the last cumulative reward, 0.0 for an empty episode), for the whole batch at once."""
+    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode, given their
+    returns (0.0 for an empty episode), for the whole batch at once."""
     codes = np.fromiter(outcomes, dtype=np.int64, count=len(outcomes))
     if rule.kind == "none":
         return codes
     unknown = codes == EpisodeOutcome.UNKNOWN
     if unknown.any():
-        ends = offsets[1:]
-        returns = np.zeros(codes.shape[0], dtype=np.float64)
-        nonempty = ends > offsets[:-1]
-        returns[nonempty] = cumulative[ends[nonempty] - 1]
         derived = np.where(
             returns > rule.threshold,
             int(EpisodeOutcome.WIN),
@@ -697,6 +753,30 @@ def _resolve_outcomes(
         )
         codes = np.where(unknown, derived, codes)
     return codes
+
+
+def _columns_grouping(
+    cumulative: np.ndarray,
+    columns: Callable[[], np.ndarray],
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+) -> Callable[[], _Grouping]:
+    """Grouping from the steps' concatenated cumulative rewards and a callable for their
+    (F, S) key columns (called only when every return is finite)."""
+
+    def group() -> _Grouping:
+        ends = offsets[1:]
+        returns = np.zeros(lengths.shape[0], dtype=np.float64)
+        nonempty = ends > offsets[:-1]
+        returns[nonempty] = cumulative[ends[nonempty] - 1]
+        if not cumulative.size:
+            return None, returns, -1
+        finite = np.isfinite(cumulative)
+        if not finite.all():
+            return None, returns, int(np.argmin(finite))
+        return group_batch(columns(), cumulative, lengths, offsets), returns, -1
+
+    return group
 
 
 def _segment_cumsum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
