@@ -34,6 +34,11 @@ COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
 RUN pip install --no-cache-dir ".[server]"
+# The trajectory store's compiled loops (numba), built once here into a cache the server
+# user can read and extend, instead of at the first session with a store (~30 s).
+ENV NUMBA_CACHE_DIR=/var/cache/rollout-recorder/numba
+RUN python -m recorder_server.store.kernels \
+    && chown -R recorder:recorder /var/cache/rollout-recorder
 WORKDIR /
 RUN rm -rf /build \
     && mkdir -p /data \

@@ -327,6 +327,27 @@ def replay_filesystem_steps(dockerfile: list[Instruction], root: Path, python: P
             argv = [str(python), "-m", *shlex.split(instruction.args)]
             out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        elif instruction.keyword == "RUN" and instruction.args.startswith("python -m "):
+            # The build-time compile of the store's loops, into a cache under `root`.
+            first = shlex.split(instruction.args.split("&&")[0])
+            env = {**os.environ, "NUMBA_CACHE_DIR": str(place(cache_dir(dockerfile), cwd))}
+            out = subprocess.run(
+                [str(python), *first[1:]],
+                cwd=cwd,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+
+def cache_dir(dockerfile: list[Instruction]) -> str:
+    """The NUMBA_CACHE_DIR the image sets."""
+    for instruction in dockerfile:
+        if instruction.keyword == "ENV" and instruction.args.startswith("NUMBA_CACHE_DIR="):
+            return instruction.args.split("=", 1)[1]
+    raise AssertionError("the Dockerfile sets no NUMBA_CACHE_DIR")
 
 
 def test_dockerfile_install_step_in_a_fresh_venv(dockerfile, tmp_path):
@@ -334,6 +355,9 @@ def test_dockerfile_install_step_in_a_fresh_venv(dockerfile, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
     replay_filesystem_steps(dockerfile, tmp_path / "image", bin_dir / "python")
+
+    cache = tmp_path / "image" / cache_dir(dockerfile).lstrip("/")
+    assert any(cache.rglob("*.nbi")), f"the build step left no compiled loops in {cache}"
 
     cli = str(bin_dir / "rollout-recorder")
     for argv in ([cli, "--help"], [cli, "health", "--help"], [cli, "serve", "--help"]):

@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 _warm_lock = threading.Lock()
 _warm_thread: threading.Thread | None = None
+_warm_failed = False
 
 
 def __getattr__(name: str):
@@ -41,7 +42,7 @@ def warm_up(wait: bool = False, timeout: float | None = None) -> bool:
         thread = _warm_thread
     if wait:
         thread.join(timeout)
-    return not thread.is_alive()
+    return not thread.is_alive() and not _warm_failed
 
 
 def _compile_all() -> None:
@@ -87,4 +88,12 @@ def _compile_all() -> None:
             _jit.gather_ring(ring[:1], env, start, lengths, 2, np.zeros((1, 1), out_type))
             _jit.gather_ring(ring, env, start, lengths, 2, np.zeros((2, 1), out_type))
     except Exception:  # compiled on first real use instead; the error shows there
+        global _warm_failed
+        _warm_failed = True
         logger.exception("trajectory store: compiling the store loops failed")
+
+
+if __name__ == "__main__":
+    # `python -m recorder_server.store.kernels`: fill numba's cache (the image build does).
+    logging.basicConfig()
+    raise SystemExit(0 if warm_up(wait=True) else 1)
