@@ -194,8 +194,7 @@ class EpisodeFeeder:
         t0 = item.t0
         env, start, end = item.env, item.start, item.end
         # Returns: running sums of the open episodes plus in-chunk cumulative sums.
-        csum = np.cumsum(rewards, axis=0, dtype=np.float64)
-        csum = np.concatenate([np.zeros((1, num_envs)), csum])  # csum[k] = sum of steps < k
+        csum = _chunk_cumsum(rewards, self.keeps_arrays)  # csum[k] = sum of steps < k
         local_start = np.maximum(start - t0, 0)
         local_end = end - t0
         returns = csum[local_end, env] - csum[local_start, env]
@@ -484,6 +483,15 @@ def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray)
     wide_rew = tails.rewards is not None and tails.rewards.dtype == np.float64
     wide_rew = wide_rew or rewards.dtype not in _FLOAT32_EXACT
     return (np.int64 if wide_cols else np.int32), (np.float64 if wide_rew else np.float32)
+
+
+def _chunk_cumsum(rewards: np.ndarray, compiled: bool) -> np.ndarray:
+    """(T+1, N) float64 running sums of a chunk's rewards over time, row 0 zeros; the
+    store's compiled loop when it is loaded (``compiled``) and the rewards are floats."""
+    if compiled and rewards.dtype in (np.float32, np.float64) and rewards.flags.c_contiguous:
+        return kernels.chunk_cumsum(rewards)
+    csum = np.cumsum(rewards, axis=0, dtype=np.float64)
+    return np.concatenate([np.zeros((1, rewards.shape[1])), csum])
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:

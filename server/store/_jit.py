@@ -352,3 +352,19 @@ def window_pairs(
         bad,
         sums[:, :p].copy(),
     )
+
+
+@njit(cache=True, nogil=True)
+def chunk_cumsum(rewards):  # pragma: no cover - compiled
+    """(T+1, N) float64: row 0 zeros, row k+1 ``np.cumsum(rewards, axis=0, dtype=float64)[k]``
+    (the same additions, each column in time order)."""
+    length, num_envs = rewards.shape
+    out = np.empty((length + 1, num_envs), np.float64)
+    out[0] = 0.0
+    if length:
+        for n in range(num_envs):
+            out[1, n] = rewards[0, n]
+        for t in range(1, length):
+            for n in range(num_envs):
+                out[t + 1, n] = out[t, n] + rewards[t, n]
+    return out

@@ -165,7 +165,7 @@ class TrajectoryStore:
             _columns_grouping(cumulative, columns, lengths, offsets),
             encode,
             np.array([step], dtype=np.int64),
-            [outcome],
+            np.array([int(outcome)], dtype=np.int64),
             [start_reference],
         ).records()[0]
 
@@ -201,7 +201,7 @@ class TrajectoryStore:
             np.concatenate([e.rewards for e in episodes] or [np.zeros(0)], dtype=np.float64),
             offsets,
         )
-        outcome_list = _batch_outcomes(outcomes, count)
+        outcome_codes = _batch_outcomes(outcomes, count)
         refs = _batch_references(start_references, count)
         nonempty = [i for i, n in enumerate(lengths.tolist()) if n]
 
@@ -217,7 +217,7 @@ class TrajectoryStore:
 
         grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         return self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
         ).records()
 
     def record_episode_batch(
@@ -236,7 +236,7 @@ class TrajectoryStore:
         step_array = _batch_steps(steps, count)
         lengths, offsets = batch.lengths, batch.offsets
         cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-        outcome_list = _batch_outcomes(outcomes, count)
+        outcome_codes = _batch_outcomes(outcomes, count)
         refs = _batch_references(start_references, count)
 
         def columns() -> np.ndarray:
@@ -248,7 +248,7 @@ class TrajectoryStore:
 
         grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         return self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
         ).records()
 
     def record_episode_columns(
@@ -276,7 +276,7 @@ class TrajectoryStore:
         step_array = _batch_steps(steps, count)
         lengths, offsets = batch.lengths, batch.offsets
         cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-        outcome_list = _batch_outcomes(outcomes, count)
+        outcome_codes = _batch_outcomes(outcomes, count)
         refs = _batch_references(start_references, count)
 
         def columns() -> np.ndarray:
@@ -293,7 +293,7 @@ class TrajectoryStore:
 
         grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         result = self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
         )
         return result.records() if records else result.codes
 
@@ -320,7 +320,7 @@ class TrajectoryStore:
         count = len(window)
         step_array = _batch_steps(steps, count)
         lengths, offsets = window.lengths, window.offsets
-        outcome_list = _batch_outcomes(outcomes, count)
+        outcome_codes = _batch_outcomes(outcomes, count)
         refs = _batch_references(start_references, count)
 
         def fallback() -> _Grouping:
@@ -345,7 +345,7 @@ class TrajectoryStore:
             return encode_episode(episode, compressor=compressor)
 
         result = self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_list, refs
+            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
         )
         return result.records() if records else result.codes
 
@@ -374,7 +374,7 @@ class TrajectoryStore:
         grouping: Callable[[], _Grouping],
         encode: Callable[[int, Any], bytes],
         step_array: np.ndarray,
-        outcomes: list[EpisodeOutcome],
+        outcomes: np.ndarray,
         refs: list[TrajectorySliceReference | None],
     ) -> _BatchResult:
         """The one write path: validated per-episode arguments, a callable grouping the steps
@@ -736,12 +736,9 @@ class _BatchResult:
         ]
 
 
-def _resolve_outcomes(
-    rule: OutcomeRule, outcomes: list[EpisodeOutcome], returns: np.ndarray
-) -> np.ndarray:
-    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode, given their
-    returns (0.0 for an empty episode), for the whole batch at once."""
-    codes = np.fromiter(outcomes, dtype=np.int64, count=len(outcomes))
+def _resolve_outcomes(rule: OutcomeRule, codes: np.ndarray, returns: np.ndarray) -> np.ndarray:
+    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode's code, given
+    their returns (0.0 for an empty episode), for the whole batch at once."""
     if rule.kind == "none":
         return codes
     unknown = codes == EpisodeOutcome.UNKNOWN
@@ -810,17 +807,17 @@ def _batch_steps(steps: Any, count: int) -> np.ndarray:
     return values
 
 
-def _batch_outcomes(outcomes: Any, count: int) -> list[EpisodeOutcome]:
-    """One EpisodeOutcome per episode from one outcome (enum, code or name) or a sequence."""
+def _batch_outcomes(outcomes: Any, count: int) -> np.ndarray:
+    """(E,) int64 outcome codes, one per episode, from one outcome (enum, code or name) or a
+    sequence (or int array) of them; each checked as EpisodeOutcome.coerce checks it."""
     if isinstance(outcomes, (EpisodeOutcome, int, str, np.integer)):
         value = int(outcomes) if isinstance(outcomes, np.integer) else outcomes
-        return [EpisodeOutcome.coerce(value)] * count
+        return np.full(count, int(EpisodeOutcome.coerce(value)), dtype=np.int64)
     if isinstance(outcomes, np.ndarray):
         if outcomes.ndim == 1 and outcomes.dtype.kind in "iu" and outcomes.shape[0] == count:
-            # Int codes: one table lookup each (out-of-range codes take the checked path).
+            # Int codes: a range check (out-of-range codes take the checked path).
             if not count or (outcomes.min() >= 0 and outcomes.max() < len(_OUTCOMES)):
-                members = _OUTCOMES
-                return [members[c] for c in outcomes.tolist()]
+                return outcomes.astype(np.int64)
         outcomes = outcomes.tolist()
     if not isinstance(outcomes, Sequence):
         raise ValueError(f"outcomes: expected an outcome or one per episode, got {outcomes!r}")
@@ -829,7 +826,11 @@ def _batch_outcomes(outcomes: Any, count: int) -> list[EpisodeOutcome]:
             f"outcomes: expected {count} values (one per episode), got {len(outcomes)}"
         )
     coerce = EpisodeOutcome.coerce
-    return [o if type(o) is EpisodeOutcome else coerce(o) for o in outcomes]
+    return np.fromiter(
+        (o if type(o) is EpisodeOutcome else coerce(o) for o in outcomes),
+        dtype=np.int64,
+        count=count,
+    )
 
 
 def _batch_references(refs: Any, count: int) -> list[TrajectorySliceReference | None]:
