@@ -42,11 +42,19 @@ def _config(capacity: int) -> TrajectoryTrainingConfiguration:
     )
 
 
-def _chunks(seed: int, count: int, length: int, num_envs: int, widen_from: int | None = None):
+def _chunks(
+    seed: int,
+    count: int,
+    length: int,
+    num_envs: int,
+    widen_from: int | None = None,
+    key_shift: int = 3 << 33,
+):
     """Time-major chunks of a random walk, plus each chunk's finished (env, start, end).
 
     With ``widen_from``, positions are int64 and rewards float64 throughout, and from that
-    chunk on they take values beyond int32 (keys) and float32 (rewards)."""
+    chunk on positions move by ``key_shift`` (beyond int16 keys; by default beyond int32)
+    and rewards take values beyond float32."""
     rng = np.random.default_rng(seed)
     pos = np.zeros((num_envs, 2), dtype=np.int32)
     open_start = np.zeros(num_envs, dtype=np.int64)
@@ -66,7 +74,7 @@ def _chunks(seed: int, count: int, length: int, num_envs: int, widen_from: int |
             positions = positions.astype(np.int64)
             reward = reward.astype(np.float64)
             if c >= widen_from:
-                positions[..., 0] += 3 << 33
+                positions[..., 0] += key_shift
                 reward[:, ::2] += 0.1  # not a float32 value
         arrays = {
             "action": rng.integers(0, 5, size=(length, num_envs), dtype=np.int32),
@@ -103,10 +111,12 @@ def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
 
 @pytest.mark.parametrize("encoded", [False, True])
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
-@pytest.mark.parametrize("widen_from", [None, 5])
-def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from):
+@pytest.mark.parametrize(
+    "widen_from, key_shift", [(None, 0), (5, 3 << 33), (5, 1 << 20)], ids=["narrow", "64", "32"]
+)
+def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, key_shift):
     length, num_envs = 16, 8
-    chunks = _chunks(3, 14, length, num_envs, widen_from)
+    chunks = _chunks(3, 14, length, num_envs, widen_from, key_shift)
     config = _config(capacity)
 
     streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))

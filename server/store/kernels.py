@@ -63,7 +63,7 @@ def _compile_all() -> None:
         _jit.add_pair_sums(np.zeros((1, 1))[0], one, one, one, f64[:1], f64[:1])
         _jit.replace_in_order(one, one, one, f64[:1], one - 1, one.copy(), f64[:1].copy(), 0)
         env, start, lengths = np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.int64)
-        for key_type in (np.int32, np.int64):
+        for key_type in (np.int16, np.int32, np.int64):
             keys = np.zeros((2, 1, 2), key_type)
             lows, _ = _jit.window_bounds(keys, env, start, lengths, 2)
             for reward_type in (np.float32, np.float64):
@@ -80,6 +80,7 @@ def _compile_all() -> None:
                     np.ones((1, 2)),
                 )
         for ring_type, out_type in (
+            (np.int16, np.int64),
             (np.int32, np.int64),
             (np.int64, np.int64),
             (np.float32, np.float32),
