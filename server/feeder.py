@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -43,6 +44,46 @@ class ChunkEpisodes:
 
 # Decoded chunks a worker keeps besides the newest, for fetching stored episodes.
 _DECODED_CACHE = 4
+
+
+class BufferPool:
+    """Decode buffers handed back by the store path once no held chunk needs them, for the
+    next chunks' decoding: the window keeps tens of decoded chunks per worker, and fresh
+    buffers for every chunk would each be faulted in page by page."""
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        key = (np.dtype(dtype).str, tuple(shape))
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                arr = free.pop()
+                self._bytes -= arr.nbytes
+                return arr
+        return np.empty(shape, dtype=dtype)
+
+    def give_all(self, arrays: dict[str, np.ndarray]) -> None:
+        """Take every array out of ``arrays`` and keep those nothing else refers to."""
+        while arrays:
+            _, arr = arrays.popitem()
+            # 2: this name and getrefcount's argument (a view or another holder adds more).
+            if arr.base is not None or sys.getrefcount(arr) != 2 or not arr.flags.writeable:
+                continue
+            key = (arr.dtype.str, arr.shape)
+            with self._lock:
+                if self._bytes + arr.nbytes > self.max_bytes:
+                    # Full (of shapes no longer sent, say): start over with the current ones.
+                    self._free.clear()
+                    self._bytes = 0
+                    if arr.nbytes > self.max_bytes:
+                        continue
+                self._free.setdefault(key, []).append(arr)
+                self._bytes += arr.nbytes
 
 
 class _Held:
@@ -100,6 +141,9 @@ class EpisodeFeeder:
         self._workers: dict[int, _WorkerTails] = {}
         self._pending = 0
         self._idle = threading.Condition()
+        # The store path recycles the decode buffers of the chunks it held.
+        self.buffers = BufferPool() if self.keeps_arrays else None
+        self.alloc = None if self.buffers is None else self.buffers.take
         self.truncated_episodes = 0
         self._thread = threading.Thread(target=self._run, name=f"feeder-{session}", daemon=True)
         self._thread.start()
@@ -230,9 +274,6 @@ class EpisodeFeeder:
             tails.open_code = np.where(ended | has, new_code, tails.open_code)
         else:
             tails.open_code[ended] = 0
-        if self.keeps_arrays:
-            self._trim(tails)
-
         step = item.env_steps_before
         if env.size:
             labels = {"session": self.session}
@@ -255,6 +296,9 @@ class EpisodeFeeder:
                 **labels,
             )
             self.processor.log_metrics(step)
+        if self.keeps_arrays:
+            # After recording: the batch's fetches read the held chunks this may release.
+            self._trim(tails)
 
     @staticmethod
     def _outcomes(codes, tails, env, local_start, local_end, carried) -> np.ndarray:
@@ -463,6 +507,9 @@ class EpisodeFeeder:
             tails.chunks.popleft()
             tails.held_bytes -= chunk.nbytes
             tails.decoded.pop(chunk.t0, None)
+            if chunk.arrays is not None and self.buffers is not None:
+                arrays, chunk.arrays = chunk.arrays, None
+                self.buffers.give_all(arrays)
 
 
 # Reward dtypes whose every value float32 holds exactly (the window stores those as float32).

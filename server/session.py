@@ -120,15 +120,24 @@ class DecodedChunk:
     wire_bytes: int
 
 
-def decode_chunk(chunk: pb.Chunk, config: SessionConfig, max_raw: int) -> DecodedChunk:
-    """Check one chunk on its own (shapes agree, dtypes allowed, frames intact)."""
+# (shape, dtype) -> a C-contiguous array to decode into.
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def decode_chunk(
+    chunk: pb.Chunk, config: SessionConfig, max_raw: int, alloc: Allocator | None = None
+) -> DecodedChunk:
+    """Check one chunk on its own (shapes agree, dtypes allowed, frames intact). ``alloc``
+    gives the buffers the arrays are decoded into (default: fresh ones)."""
     try:
-        return _decode_chunk(chunk, config, max_raw)
+        return _decode_chunk(chunk, config, max_raw, alloc)
     except codec.ArrayDecodeError as exc:
         raise SessionError("INVALID_ARGUMENT", str(exc)) from None
 
 
-def _decode_chunk(chunk: pb.Chunk, config: SessionConfig, max_raw: int) -> DecodedChunk:
+def _decode_chunk(
+    chunk: pb.Chunk, config: SessionConfig, max_raw: int, alloc: Allocator | None
+) -> DecodedChunk:
     for name in ("action", "reward", "done"):
         if not chunk.HasField(name):
             raise SessionError("INVALID_ARGUMENT", f"chunk.{name}: expected an array, got none")
@@ -200,7 +209,12 @@ def _decode_chunk(chunk: pb.Chunk, config: SessionConfig, max_raw: int) -> Decod
     pairs += [(f"state:{s.name}", s.array) for s in chunk.states]
     for key, msg in pairs:
         # Decoding proves the frame is intact before the ack promises anything.
-        arr = codec.decode_array(msg, f"chunk.{key}", max_raw)
+        if alloc is None or key == "done":
+            arr = codec.decode_array(msg, f"chunk.{key}", max_raw)
+        else:
+            dtype, shape = codec.declared(msg, f"chunk.{key}", max_raw)
+            arr = alloc(shape, dtype)
+            codec.decode_into(msg, arr, f"chunk.{key}")
         arrays[key] = arr
         if key != "done":
             schema[key] = (arr.dtype, arr.shape[2:])
@@ -323,7 +337,7 @@ class Session:
             self.last_seen[worker_id] = time.monotonic()
             if self.is_full:
                 return self._drop_full(timeline)
-            decoded = decode_chunk(chunk, self.config, max_raw)
+            decoded = decode_chunk(chunk, self.config, max_raw, self.feeder.alloc)
             with self.lock:
                 if self.is_full:
                     return self._drop_full(timeline)

@@ -242,3 +242,67 @@ def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
     assert sa["counters"] == sb["counters"]
     for name, value in sa["arrays"].items():
         np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+
+
+def test_session_recycles_decode_buffers_without_corrupting_stored_episodes():
+    """Through Session.apply, chunks are decoded into buffers the store path hands back once
+    no held chunk needs them; the store still equals recording each episode directly."""
+    from recorder_client._proto import recorder_pb2 as pb
+    from recorder_server.metrics import NullMetrics
+    from recorder_server.session import Session, SessionConfig
+
+    length, num_envs = 16, 8
+    chunks = _chunks(11, 40, length, num_envs)
+    config = _config(1 << 30)
+    fields = ("player_positions", "player_inventory")
+    session = Session("s", SessionConfig(None, True, fields, config), NullMetrics())
+    session.join("w", session.config)
+    pool = session.feeder.buffers
+    taken = []
+    take = pool.take
+
+    def spy(shape, dtype):
+        arr = take(shape, dtype)
+        taken.append(arr.__array_interface__["data"][0])
+        return arr
+
+    session.feeder.alloc = spy
+    try:
+        for i, (_, arrays, _, _, _) in enumerate(chunks):
+            msg = pb.Chunk(sequence=i + 1)
+            for name in ("action", "reward", "done"):
+                getattr(msg, name).CopyFrom(codec.encode_array(arrays[name]))
+            for name in fields:
+                msg.states.append(
+                    pb.NamedArray(name=name, array=codec.encode_array(arrays[f"state:{name}"]))
+                )
+            session.apply("w", msg, 1 << 30, log=False)
+            assert session.feeder.drain(30)  # let trims hand buffers back before the next
+        assert len(set(taken)) < len(taken)  # buffers were reused
+        streamed = session.processor
+        reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
+        whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+        steps_before = 0
+        for _, _, env, start, end in chunks:
+            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
+                episode = EpisodeArrays(
+                    actions=whole["action"][s:t, e],
+                    rewards=whole["reward"][s:t, e],
+                    states={n: whole[f"state:{n}"][s:t, e] for n in fields},
+                )
+                reference.record_episode(episode, {}, steps_before, outcome=0)
+            steps_before += length * num_envs
+        a, b = streamed.store, reference.store
+        assert a.trajectory_ids() == b.trajectory_ids()
+        assert a.trajectory_ids()
+        for tid in a.trajectory_ids():
+            x, y = a.trajectory(tid), b.trajectory(tid)
+            np.testing.assert_array_equal(x.actions, y.actions)
+            np.testing.assert_array_equal(x.rewards, y.rewards)
+            for k in y.states:
+                np.testing.assert_array_equal(x.states[k], y.states[k])
+        sa, sb = a.checkpoint_state(), b.checkpoint_state()
+        for name, value in sa["arrays"].items():
+            np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+    finally:
+        session.close()
