@@ -144,6 +144,7 @@ class EpisodeFeeder:
         # The store path recycles the decode buffers of the chunks it held.
         self.buffers = BufferPool() if self.keeps_arrays else None
         self.alloc = None if self.buffers is None else self.buffers.take
+        self._csum: np.ndarray | None = None
         self.truncated_episodes = 0
         self._thread = threading.Thread(target=self._run, name=f"feeder-{session}", daemon=True)
         self._thread.start()
@@ -238,7 +239,7 @@ class EpisodeFeeder:
         t0 = item.t0
         env, start, end = item.env, item.start, item.end
         # Returns: running sums of the open episodes plus in-chunk cumulative sums.
-        csum = _chunk_cumsum(rewards, self.keeps_arrays)  # csum[k] = sum of steps < k
+        csum = self._chunk_cumsum(rewards)  # csum[k] = sum of steps < k
         local_start = np.maximum(start - t0, 0)
         local_end = end - t0
         returns = csum[local_end, env] - csum[local_start, env]
@@ -299,6 +300,21 @@ class EpisodeFeeder:
         if self.keeps_arrays:
             # After recording: the batch's fetches read the held chunks this may release.
             self._trim(tails)
+
+    def _chunk_cumsum(self, rewards: np.ndarray) -> np.ndarray:
+        """(T+1, N) float64 running sums of a chunk's rewards over time, row 0 zeros (valid
+        until the next call). With a store, its compiled loop into a reused buffer."""
+        if (
+            self.keeps_arrays
+            and rewards.dtype in (np.float32, np.float64)
+            and rewards.flags.c_contiguous
+        ):
+            shape = (rewards.shape[0] + 1, rewards.shape[1])
+            if self._csum is None or self._csum.shape != shape:
+                self._csum = np.empty(shape)
+            return kernels.chunk_cumsum(rewards, self._csum)
+        csum = np.cumsum(rewards, axis=0, dtype=np.float64)
+        return np.concatenate([np.zeros((1, rewards.shape[1])), csum])
 
     @staticmethod
     def _outcomes(codes, tails, env, local_start, local_end, carried) -> np.ndarray:
@@ -537,15 +553,6 @@ def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray)
     wide_rew = tails.rewards is not None and tails.rewards.dtype == np.float64
     wide_rew = wide_rew or rewards.dtype not in _FLOAT32_EXACT
     return _KEY_TYPES[rank], (np.float64 if wide_rew else np.float32)
-
-
-def _chunk_cumsum(rewards: np.ndarray, compiled: bool) -> np.ndarray:
-    """(T+1, N) float64 running sums of a chunk's rewards over time, row 0 zeros; the
-    store's compiled loop when it is loaded (``compiled``) and the rewards are floats."""
-    if compiled and rewards.dtype in (np.float32, np.float64) and rewards.flags.c_contiguous:
-        return kernels.chunk_cumsum(rewards)
-    csum = np.cumsum(rewards, axis=0, dtype=np.float64)
-    return np.concatenate([np.zeros((1, rewards.shape[1])), csum])
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:

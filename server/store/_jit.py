@@ -234,12 +234,11 @@ def window_pairs(
     touched = np.empty(min(num_codes, num_steps), np.int64)
     first = np.full(num_codes, num_steps, np.int64)
     counts = np.zeros(num_codes, np.int64)
-    bound = min(num_steps, num_eps * num_codes)
-    pair_ep = np.empty(bound, np.int64)
-    pair_code = np.empty(bound, np.int64)
-    best_index = np.empty(bound, np.int64)
-    best_return = np.empty(bound, np.float64)
-    sums = np.empty((num_util, bound), np.float64)
+    # Pairs: (episode, code, best index) and (best return, sums...), grown on demand: an
+    # upper bound (the steps) would be a fresh, page-faulted allocation on every call.
+    pair_cap = max(16, min(num_steps, num_eps * num_codes, 4096))
+    pair_i = np.empty((3, pair_cap), np.int64)
+    pair_f = np.empty((1 + num_util, pair_cap), np.float64)
     episode_pairs = np.empty(num_eps + 1, np.int64)
     returns = np.zeros(num_eps, np.float64)
     codes = np.empty(capacity, np.int64)
@@ -331,35 +330,43 @@ def window_pairs(
                 if not np.isfinite(s2):
                     bad = base + j
                     break
+        if p + nt > pair_cap:
+            pair_cap = max(2 * pair_cap, p + nt)
+            grown_i = np.empty((3, pair_cap), np.int64)
+            grown_i[:, :p] = pair_i[:, :p]
+            pair_i = grown_i
+            grown_f = np.empty((1 + num_util, pair_cap), np.float64)
+            grown_f[:, :p] = pair_f[:, :p]
+            pair_f = grown_f
         for code in np.sort(touched[:nt]):
-            pair_ep[p] = e
-            pair_code[p] = code
-            best_index[p] = code_index[code]
-            best_return[p] = code_return[code]
+            pair_i[0, p] = e
+            pair_i[1, p] = code
+            pair_i[2, p] = code_index[code]
+            pair_f[0, p] = code_return[code]
             for u in range(num_util):
-                sums[u, p] = code_sums[code, u]
+                pair_f[1 + u, p] = code_sums[code, u]
             p += 1
     episode_pairs[num_eps] = p
     return (
-        pair_ep[:p].copy(),
-        pair_code[:p].copy(),
-        best_index[:p].copy(),
-        best_return[:p].copy(),
+        pair_i[0, :p].copy(),
+        pair_i[1, :p].copy(),
+        pair_i[2, :p].copy(),
+        pair_f[0, :p].copy(),
         first,
         episode_pairs,
         counts,
         returns,
         bad,
-        sums[:, :p].copy(),
+        pair_f[1:, :p].copy(),
     )
 
 
 @njit(cache=True, nogil=True)
-def chunk_cumsum(rewards):  # pragma: no cover - compiled
-    """(T+1, N) float64: row 0 zeros, row k+1 ``np.cumsum(rewards, axis=0, dtype=float64)[k]``
-    (the same additions, each column in time order)."""
+def chunk_cumsum(rewards, out):  # pragma: no cover - compiled
+    """Into ``out`` (T+1, N) float64: row 0 zeros, row k+1
+    ``np.cumsum(rewards, axis=0, dtype=float64)[k]`` (the same additions, each column in
+    time order)."""
     length, num_envs = rewards.shape
-    out = np.empty((length + 1, num_envs), np.float64)
     out[0] = 0.0
     if length:
         for n in range(num_envs):

@@ -56,7 +56,7 @@ def _compile_all() -> None:
         offsets = np.array([0, 2], np.int64)
         _jit.segment_cumsum(f64.copy(), offsets)
         for reward_type in (np.float32, np.float64):
-            _jit.chunk_cumsum(np.zeros((2, 2), reward_type))
+            _jit.chunk_cumsum(np.zeros((2, 2), reward_type), np.zeros((3, 2)))
         pairs = _jit.group_pairs(i64, f64, offsets, 1)
         _jit.discounted_pair_sums(i64, offsets, pairs[5], pairs[1], np.ones(2), 1)
         one = np.zeros(1, np.int64)
