@@ -181,16 +181,13 @@ class TrajectoryCaptureProcessor:
         if self._store is None:
             outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
         else:
-            if isinstance(episodes, EpisodeWindow):
-                outcome_codes = self._store.record_episode_window(
-                    episodes,
-                    steps=step,
-                    outcomes=outcomes,
-                    start_references=start_references,
-                    records=False,
+            if isinstance(episodes, (EpisodeWindow, EpisodeColumns)):
+                record = (
+                    self._store.record_episode_window
+                    if isinstance(episodes, EpisodeWindow)
+                    else self._store.record_episode_columns
                 )
-            elif isinstance(episodes, EpisodeColumns):
-                outcome_codes = self._store.record_episode_columns(
+                outcome_codes = record(
                     episodes,
                     steps=step,
                     outcomes=outcomes,

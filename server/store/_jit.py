@@ -272,11 +272,14 @@ def window_pairs(
         best = 0.0
         bidx = 0
         a0 = 0.0
-        for j in range(n):
-            code = codes[j]
-            col = a + j if j < head else j - head
-            reward = np.float64(rew[col])
-            s = reward if j == 0 else s + reward
+        # Step n is a sentinel (code -1) that flushes the last run.
+        for j in range(n + 1):
+            code = -1
+            if j < n:
+                code = codes[j]
+                col = a + j if j < head else j - head
+                reward = np.float64(rew[col])
+                s = reward if j == 0 else s + reward
             if code != cur:
                 if cur >= 0:  # flush the run
                     counts[cur] += run
@@ -286,6 +289,8 @@ def window_pairs(
                         code_sums[cur, 0] = a0
                     for u in range(1, num_util):
                         code_sums[cur, u] = acc[u]
+                if j == n:
+                    break
                 cur = code
                 run = 0
                 if seen[code] != e:
@@ -313,13 +318,6 @@ def window_pairs(
                 a0 = a0 + powers[0, last - j]
             for u in range(1, num_util):
                 acc[u] = acc[u] + powers[u, last - j]
-        counts[cur] += run
-        code_return[cur] = best
-        code_index[cur] = bidx
-        if num_util:
-            code_sums[cur, 0] = a0
-        for u in range(1, num_util):
-            code_sums[cur, u] = acc[u]
         returns[e] = s
         if bad < 0 and not np.isfinite(s):
             # the first non-finite cumulative of this episode

@@ -98,31 +98,54 @@ def _dense_limit(num_steps: int) -> int:
     return max(_DENSE_FACTOR * num_steps, _DENSE_MIN)
 
 
+def _code_space(lows: np.ndarray, highs: np.ndarray) -> tuple[list[int], int, list[int]]:
+    """``(ranges, total, strides)`` of the mixed-radix code of keys within [lows, highs] per
+    field, first field most significant (Python ints: exact for any range)."""
+    ranges = [h - lo + 1 for h, lo in zip(highs.tolist(), lows.tolist())]
+    total = 1
+    for r in ranges:
+        total *= r
+    strides = [1] * len(ranges)
+    for j in range(len(ranges) - 2, -1, -1):
+        strides[j] = strides[j + 1] * ranges[j + 1]
+    return ranges, total, strides
+
+
+def _dense_cells(
+    counts: np.ndarray, ranges: list[int], lows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(codes (U,), keys (U, F), visits (U,))`` of the codes some step has, from the
+    per-code step counts of a dense code space."""
+    codes = np.flatnonzero(counts)
+    keys = np.stack(np.unravel_index(codes, ranges), axis=1)
+    keys += lows
+    return codes, keys, counts[codes]
+
+
+def _cells_of_pairs(pair_code: np.ndarray, codes: np.ndarray, num_codes: int) -> np.ndarray:
+    """The cell (index into the batch's keys) of each pair, from its code."""
+    if codes.shape[0] == num_codes:
+        return pair_code
+    cell_of_code = np.empty(num_codes, dtype=np.int64)
+    cell_of_code[codes] = np.arange(codes.shape[0], dtype=np.int64)
+    return cell_of_code[pair_code]
+
+
 def _step_codes(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
     """Cell codes of the steps from the (F, S) key columns:
     ``(step_codes (S,), keys (U, F), num_codes, codes (U,), visits (U,))``."""
     width = columns.shape[0]
     lows, highs = kernels.key_bounds(columns)
-    ranges = [h - lo + 1 for h, lo in zip(highs.tolist(), lows.tolist())]
-    total = 1
-    for r in ranges:
-        total *= r
+    ranges, total, strides = _code_space(lows, highs)
     if total >= _CODE_LIMIT:
         voids = key_bytes(np.ascontiguousarray(columns.T))
         uniq, inverse, visits = np.unique(voids, return_inverse=True, return_counts=True)
         keys = np.ascontiguousarray(uniq).view(np.int64).reshape(uniq.shape[0], width)
         return inverse.reshape(-1), keys, keys.shape[0], np.arange(keys.shape[0]), visits
-    # Mixed-radix code, first field most significant; exact in int64 since it lies in
-    # [0, total) (each key minus its row's low is in [0, range)).
-    strides = [1] * width
-    for j in range(width - 2, -1, -1):
-        strides[j] = strides[j + 1] * ranges[j + 1]
+    # Each key minus its field's low is in [0, range): the code is exact in int64.
     if total <= _dense_limit(columns.shape[1]):
         code, counts = kernels.dense_codes(columns, lows, np.array(strides, np.int64), total)
-        codes = np.flatnonzero(counts)
-        visits = counts[codes]
-        keys = np.stack(np.unravel_index(codes, ranges), axis=1)
-        keys += lows
+        codes, keys, visits = _dense_cells(counts, ranges, lows)
         return code, keys, total, codes, visits
     # Codes too sparse for a dense table: rank them (a sort). Wrapping int64 arithmetic is
     # exact here too, the result being in [0, total).
@@ -154,15 +177,26 @@ def group_batch(
     step_codes, keys, num_codes, codes, visits = _step_codes(columns)
     step_codes = step_codes.astype(np.int64, copy=False)
     offsets = offsets.astype(np.int64, copy=False)
-    pair_ep, pair_code, best_index, best_return, first_step, episode_pairs = kernels.group_pairs(
+    pairs = kernels.group_pairs(
         step_codes, cumulative.astype(np.float64, copy=False), offsets, num_codes
     )
-    if codes.shape[0] == num_codes:
-        pair_cell = pair_code
-    else:
-        cell_of_code = np.empty(num_codes, dtype=np.int64)
-        cell_of_code[codes] = np.arange(codes.shape[0], dtype=np.int64)
-        pair_cell = cell_of_code[pair_code]
+    return _batch_cells(lengths, offsets, keys, visits, codes, num_codes, step_codes, pairs)
+
+
+def _batch_cells(
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    keys: np.ndarray,
+    visits: np.ndarray,
+    codes: np.ndarray,
+    num_codes: int,
+    step_codes: np.ndarray | None,
+    pairs: tuple,
+    discounted: np.ndarray | None = None,
+) -> BatchCells:
+    """BatchCells from the cells and a grouping kernel's ``(pair_ep, pair_code, best_index,
+    best_return, first_step, episode_pairs)``."""
+    pair_ep, pair_code, best_index, best_return, first_step, episode_pairs = pairs
     return BatchCells(
         lengths=lengths,
         offsets=offsets,
@@ -174,11 +208,12 @@ def group_batch(
         num_codes=num_codes,
         first_step=first_step,
         pair_ep=pair_ep,
-        pair_cell=pair_cell,
+        pair_cell=_cells_of_pairs(pair_code, codes, num_codes),
         pair_code=pair_code,
         episode_pairs=episode_pairs,
         pair_best_step=best_index - offsets[pair_ep],
         pair_best_return=best_return,
+        pair_discounted=discounted,
     )
 
 
@@ -195,27 +230,10 @@ def group_window(
         return None, np.zeros(lengths.shape[0], dtype=np.float64), -1
     ring, capacity = window.key_ring, window.capacity
     lows, highs = kernels.window_bounds(ring, window.env, window.start, lengths, capacity)
-    ranges = [h - lo + 1 for h, lo in zip(highs.tolist(), lows.tolist())]
-    total = 1
-    for r in ranges:
-        total *= r
+    ranges, total, strides = _code_space(lows, highs)
     if total > _dense_limit(num_steps):
         return None
-    strides = [1] * len(ranges)
-    for j in range(len(ranges) - 2, -1, -1):
-        strides[j] = strides[j + 1] * ranges[j + 1]
-    (
-        pair_ep,
-        pair_code,
-        best_index,
-        best_return,
-        first_step,
-        episode_pairs,
-        counts,
-        returns,
-        bad,
-        sums,
-    ) = kernels.window_pairs(
+    *pairs, counts, returns, bad, sums = kernels.window_pairs(
         ring,
         window.reward_ring,
         capacity,
@@ -229,31 +247,8 @@ def group_window(
     )
     if bad >= 0:
         return None, returns, int(bad)
-    codes = np.flatnonzero(counts)
-    keys = np.stack(np.unravel_index(codes, ranges), axis=1)
-    keys += lows
-    if codes.shape[0] == total:
-        pair_cell = pair_code
-    else:
-        cell_of_code = np.empty(total, dtype=np.int64)
-        cell_of_code[codes] = np.arange(codes.shape[0], dtype=np.int64)
-        pair_cell = cell_of_code[pair_code]
-    cells = BatchCells(
-        lengths=lengths,
-        offsets=offsets,
-        keys=keys,
-        key_ids=key_bytes(keys).tolist(),
-        visits=counts[codes],
-        codes=codes,
-        step_codes=None,
-        num_codes=total,
-        first_step=first_step,
-        pair_ep=pair_ep,
-        pair_cell=pair_cell,
-        pair_code=pair_code,
-        episode_pairs=episode_pairs,
-        pair_best_step=best_index - offsets[pair_ep],
-        pair_best_return=best_return,
-        pair_discounted=sums,
+    codes, keys, visits = _dense_cells(counts, ranges, lows)
+    cells = _batch_cells(
+        lengths, offsets, keys, visits, codes, total, None, tuple(pairs), discounted=sums
     )
     return cells, returns, -1

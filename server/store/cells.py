@@ -231,8 +231,7 @@ class EpisodeBatch:
             raise ValueError(
                 f"lengths: sum to {int(lengths.sum())}, but the arrays hold {whole.length} steps"
             )
-        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = _offsets(lengths)
         object.__setattr__(self, "actions", whole.actions)
         object.__setattr__(self, "rewards", whole.rewards)
         object.__setattr__(self, "states", whole.states)
@@ -326,8 +325,7 @@ class EpisodeColumns:
             )
         if not callable(self.fetch):
             raise ValueError("fetch: expected a callable")
-        offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = _offsets(lengths)
         object.__setattr__(self, "rewards", rewards)
         object.__setattr__(self, "columns", columns)
         object.__setattr__(self, "lengths", lengths)
@@ -374,8 +372,7 @@ class EpisodeWindow:
             or start.min() < 0
         ):
             raise ValueError("env, start, lengths: out of the window's range")
-        offsets = np.zeros(env.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = _offsets(lengths)
         object.__setattr__(self, "env", env)
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "lengths", lengths)
@@ -402,3 +399,10 @@ class EpisodeWindow:
             self.reward_ring[None], self.env, self.start, self.lengths, self.capacity, rewards
         )
         return EpisodeColumns(rewards[0], columns, self.lengths, self.fetch)
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """(E+1,) int64 start of each episode, then the total."""
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets

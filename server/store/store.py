@@ -282,14 +282,7 @@ class TrajectoryStore:
         def columns() -> np.ndarray:
             return batch.columns
 
-        def encode(i: int, compressor: Any) -> bytes:
-            episode = EpisodeArrays.coerce(batch.fetch(i))
-            if episode.length != int(lengths[i]):
-                raise ValueError(
-                    f"fetch({i}): expected an episode of {int(lengths[i])} steps, got "
-                    f"{episode.length}"
-                )
-            return encode_episode(episode, compressor=compressor)
+        encode = _fetching_encoder(batch.fetch, lengths)
 
         grouping = _columns_grouping(cumulative, columns, lengths, offsets)
         result = self._record_batch(
@@ -335,14 +328,7 @@ class TrajectoryStore:
             grouped = group_window(window, table)
             return fallback() if grouped is None else grouped
 
-        def encode(i: int, compressor: Any) -> bytes:
-            episode = EpisodeArrays.coerce(window.fetch(i))
-            if episode.length != int(lengths[i]):
-                raise ValueError(
-                    f"fetch({i}): expected an episode of {int(lengths[i])} steps, got "
-                    f"{episode.length}"
-                )
-            return encode_episode(episode, compressor=compressor)
+        encode = _fetching_encoder(window.fetch, lengths)
 
         result = self._record_batch(
             lengths, offsets, grouping, encode, step_array, outcome_codes, refs
@@ -750,6 +736,22 @@ def _resolve_outcomes(rule: OutcomeRule, codes: np.ndarray, returns: np.ndarray)
         )
         codes = np.where(unknown, derived, codes)
     return codes
+
+
+def _fetching_encoder(
+    fetch: Callable[[int], Any], lengths: np.ndarray
+) -> Callable[[int, Any], bytes]:
+    """The blob of episode i from ``fetch(i)``, checked against its expected length."""
+
+    def encode(i: int, compressor: Any) -> bytes:
+        episode = EpisodeArrays.coerce(fetch(i))
+        if episode.length != int(lengths[i]):
+            raise ValueError(
+                f"fetch({i}): expected an episode of {int(lengths[i])} steps, got {episode.length}"
+            )
+        return encode_episode(episode, compressor=compressor)
+
+    return encode
 
 
 def _columns_grouping(
