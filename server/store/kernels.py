@@ -4,12 +4,15 @@ Each loop replaces a chain of numpy passes over every step of a batch with one p
 floats in exactly the order the one-episode-at-a-time rules do, so results stay bit-identical
 to recording episodes one by one. numba is imported, and the loops compiled (or loaded from
 its on-disk cache), only once a store exists: :func:`warm_up` does it in the background so
-that the first chunk does not wait.
+that the first chunk does not wait. A compile (tens of seconds, once per install) runs in a
+child process, so that it never holds this process's GIL while the server answers calls.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -22,6 +25,9 @@ _warm_failed = False
 
 
 def __getattr__(name: str):
+    thread = _warm_thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()  # loops in use before the warm-up is done: wait for it, not compile
     from . import _jit
 
     try:
@@ -46,6 +52,24 @@ def warm_up(wait: bool = False, timeout: float | None = None) -> bool:
 
 
 def _compile_all() -> None:
+    global _warm_failed
+    try:
+        # Fills numba's disk cache (a no-op but for its start-up when it is filled already).
+        done = subprocess.run(
+            [sys.executable, "-m", __name__], capture_output=True, text=True, timeout=1800
+        )
+        if done.returncode:
+            logger.warning(
+                "trajectory store: compiling the loops in a child failed: %s", done.stderr[-2000:]
+            )
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("trajectory store: could not compile the loops in a child (%s)", exc)
+    if not _load_all():
+        _warm_failed = True
+
+
+def _load_all() -> bool:
+    """Compile, or load from the disk cache, every loop for the types in use; False on error."""
     try:
         from . import _jit
 
@@ -91,12 +115,12 @@ def _compile_all() -> None:
             _jit.gather_ring(ring[:1], env, start, lengths, 2, np.zeros((1, 1), out_type))
             _jit.gather_ring(ring, env, start, lengths, 2, np.zeros((2, 1), out_type))
     except Exception:  # compiled on first real use instead; the error shows there
-        global _warm_failed
-        _warm_failed = True
         logger.exception("trajectory store: compiling the store loops failed")
+        return False
+    return True
 
 
 if __name__ == "__main__":
     # `python -m recorder_server.store.kernels`: fill numba's cache (the image build does).
     logging.basicConfig()
-    raise SystemExit(0 if warm_up(wait=True) else 1)
+    raise SystemExit(0 if _load_all() else 1)
