@@ -20,6 +20,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check .
+	# The store's compiled loops: built once (about half a minute), then found in numba's cache,
+	# before any test server needs them (the image build does the same).
+	$(PY) -m recorder_server.store.kernels
 	$(PY) -m pytest
 
 lint: $(STAMP)
