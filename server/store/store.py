@@ -32,6 +32,7 @@ from .cells import (
     EpisodeBatch,
     EpisodeColumns,
     EpisodeWindow,
+    _offsets,
     batch_cell_columns,
     cell_keys,
     field_column,
@@ -193,16 +194,13 @@ class TrajectoryStore:
             raise ValueError("episodes: expected a sequence of episodes, got a single episode")
         episodes = [EpisodeArrays.coerce(e) for e in episodes]
         count = len(episodes)
-        step_array = _batch_steps(steps, count)
+        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
         lengths = np.fromiter((e.rewards.shape[0] for e in episodes), dtype=np.int64, count=count)
-        offsets = np.zeros(count + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = _offsets(lengths)
         cumulative = _segment_cumsum(
             np.concatenate([e.rewards for e in episodes] or [np.zeros(0)], dtype=np.float64),
             offsets,
         )
-        outcome_codes = _batch_outcomes(outcomes, count)
-        refs = _batch_references(start_references, count)
         nonempty = [i for i, n in enumerate(lengths.tolist()) if n]
 
         def columns() -> np.ndarray:
@@ -233,11 +231,9 @@ class TrajectoryStore:
         if not isinstance(batch, EpisodeBatch):
             raise ValueError(f"batch: expected an EpisodeBatch, got {type(batch).__name__}")
         count = len(batch)
-        step_array = _batch_steps(steps, count)
+        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
         lengths, offsets = batch.lengths, batch.offsets
         cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-        outcome_codes = _batch_outcomes(outcomes, count)
-        refs = _batch_references(start_references, count)
 
         def columns() -> np.ndarray:
             n = cumulative.shape[0]
@@ -273,11 +269,9 @@ class TrajectoryStore:
             raise ValueError(
                 f"columns: expected {width} rows (one per cell field), got {batch.columns.shape[0]}"
             )
-        step_array = _batch_steps(steps, count)
+        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
         lengths, offsets = batch.lengths, batch.offsets
         cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-        outcome_codes = _batch_outcomes(outcomes, count)
-        refs = _batch_references(start_references, count)
 
         def columns() -> np.ndarray:
             return batch.columns
@@ -311,10 +305,8 @@ class TrajectoryStore:
                 f"{window.key_ring.shape[0]}"
             )
         count = len(window)
-        step_array = _batch_steps(steps, count)
+        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
         lengths, offsets = window.lengths, window.offsets
-        outcome_codes = _batch_outcomes(outcomes, count)
-        refs = _batch_references(start_references, count)
 
         def fallback() -> _Grouping:
             batch = window.as_columns()
@@ -788,6 +780,17 @@ def _check_step(step: Any, where: str) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"{where}: expected an int, got {step!r}")
     return int(step)
+
+
+def _batch_args(
+    steps: Any, outcomes: Any, start_references: Any, count: int
+) -> tuple[np.ndarray, np.ndarray, list[TrajectorySliceReference | None]]:
+    """A batch's per-episode arguments, checked: (steps (E,), outcome codes (E,), references)."""
+    return (
+        _batch_steps(steps, count),
+        _batch_outcomes(outcomes, count),
+        _batch_references(start_references, count),
+    )
 
 
 def _batch_steps(steps: Any, count: int) -> np.ndarray:
