@@ -1,13 +1,14 @@
 """Where a recorder server's CPU goes, thread by thread, with and without a trajectory store.
 
 Usage: .venv/bin/python bench/server_threads.py [--rounds 3] [--chunks 80] [--workers 4]
-                                                [--py-spy FILE]
+                                                [--py-spy FILE [--gil]]
 
 Alternates a store-off and a store-on 4-worker ingest (the bench workload and store
 configuration) against a real `rollout-recorder serve`, and prints the ingest MB/s, the CPU
 seconds of each server thread during the run (from /proc/PID/task) and the server's minor
 page faults per chunk. `--py-spy FILE` also records the store-on runs' server with py-spy
-(raw folded stacks, every thread) into FILE. A diagnostic, not a bench row: the numbers
+(raw folded stacks, every thread) into FILE; with `--gil` only the samples of the thread holding
+the GIL. A diagnostic, not a bench row: the numbers
 quoted in bench/profile_notes.md's store section come from it.
 """
 
@@ -47,7 +48,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def one_run(ctx: Context, workers: int, capture: bool, spy_file: str | None) -> str:
+def one_run(
+    ctx: Context, workers: int, capture: bool, spy_file: str | None, gil: bool = False
+) -> str:
     tmp = ctx.tmp
     server = RecorderServer(tmp / f"data-{time.time_ns()}", [], tmp / "server.log")
     try:
@@ -56,7 +59,7 @@ def one_run(ctx: Context, workers: int, capture: bool, spy_file: str | None) -> 
         spy = None
         if spy_file and capture:
             argv = ["py-spy", "record", "--pid", str(pid), "--rate", "250", "--threads"]
-            argv += ["--nonblocking", "-f", "raw", "-o", spy_file]
+            argv += ["--nonblocking", "-f", "raw", "-o", spy_file] + (["--gil"] if gil else [])
             spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches
         specs = [
@@ -97,13 +100,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=80, help="chunks per worker")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--py-spy", dest="spy", help="record the store-on runs into this file")
+    ap.add_argument("--gil", action="store_true", help="py-spy keeps only GIL-holding samples")
     args = ap.parse_args()
     params = dataclasses.replace(Params(), ingest_chunks=args.chunks)
     with tempfile.TemporaryDirectory() as tmp:
         ctx = Context(params, False, Path(tmp), [])
         for _ in range(args.rounds):
             for capture in (False, True):
-                print(one_run(ctx, args.workers, capture, args.spy), flush=True)
+                print(one_run(ctx, args.workers, capture, args.spy, args.gil), flush=True)
 
 
 if __name__ == "__main__":

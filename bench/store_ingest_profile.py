@@ -1,8 +1,10 @@
 """Feeder cost per chunk with and without a trajectory store (bench workload).
 
-Usage: .venv/bin/python bench/store_ingest_profile.py [--feeder PATH] [--encoded] [--profile]
-Runs Session.apply over 80 chunks (T=128, N=256) with the feeder's queue intercepted, then
-times EpisodeFeeder._process per chunk (best of 3 passes over fresh sessions).
+Usage: .venv/bin/python bench/store_ingest_profile.py [--workers 4] [--chunks 80] [--feeder PATH]
+                                                       [--encoded] [--profile]
+Runs Session.apply over each worker's chunks (T=128, N=256; the workers' chunks interleaved
+and seeded as in the ingest row) with the feeder's queue intercepted, then times
+EpisodeFeeder._process per chunk (best of 3 passes over fresh sessions).
 """
 
 import argparse
@@ -24,36 +26,39 @@ CAPTURE = store_configuration()
 STATES = ("player_positions", "player_inventory")
 
 
-def make_chunks(count: int = 80) -> list:
+def make_chunks(count: int = 80, workers: int = 4) -> list[tuple[str, pb.Chunk]]:
+    """(worker, chunk) in round-robin order; worker i's pool is seeded like bench worker i."""
     # Distinct chunks: a reused done pattern would leave some episodes open forever.
-    pool = make_pool(count, seed=1)
+    pools = [make_pool(count, seed=1000 + w) for w in range(workers)]
     chunks = []
-    for i in range(count):
-        c = pool[i]
-        ch = pb.Chunk(sequence=i + 1)
+    for i in range(count * workers):
+        c = pools[i % workers][i // workers]
+        ch = pb.Chunk(sequence=i // workers + 1)
         ch.action.CopyFrom(codec.encode_array(c.rollout.action))
         ch.reward.CopyFrom(codec.encode_array(c.rollout.reward))
         ch.done.CopyFrom(codec.encode_array(c.rollout.done))
         for n in STATES:
             ch.states.append(pb.NamedArray(name=n, array=codec.encode_array(getattr(c.states, n))))
-        chunks.append(ch)
+        chunks.append((f"w{i % workers}", ch))
     return chunks
 
 
 def run(chunks, capture, feeder_cls, encoded: bool, profile: bool):
     s = Session("b", SessionConfig(None, True, STATES, capture), MetricsTracker())
-    s.join("w", s.config)
+    for name in dict(chunks):
+        s.join(name, s.config)
     s.feeder.close()
     f = feeder_cls("b", s.processor, s.metrics)
     f.close()
     items = []
-    s.feeder = type("Q", (), {"submit": staticmethod(items.append), "close": lambda self: None})()
-    for ch in chunks:
-        s.apply("w", ch, 1 << 31)
+    queue = {"submit": staticmethod(items.append), "close": lambda self: None, "alloc": f.alloc}
+    s.feeder = type("Q", (), queue)()
+    for name, ch in chunks:
+        s.apply(name, ch, 1 << 31)
     if encoded:
-        timeline = next(iter(s.workers.values()))
-        for item, stored in zip(items, timeline.chunks, strict=True):
-            item.stored = stored
+        stored = {tl.index: iter(tl.chunks) for tl in s.workers.values()}
+        for item in items:
+            item.stored = next(stored[item.worker])
     pr = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if pr:
@@ -68,6 +73,8 @@ def run(chunks, capture, feeder_cls, encoded: bool, profile: bool):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--chunks", type=int, default=80, help="chunks per worker")
     ap.add_argument("--feeder", help="load EpisodeFeeder from this file instead")
     ap.add_argument("--encoded", action="store_true", help="hand the feeder StoredChunks")
     ap.add_argument("--profile", action="store_true")
@@ -81,7 +88,7 @@ def main() -> None:
         feeder_cls = mod.EpisodeFeeder
     else:
         from recorder_server.feeder import EpisodeFeeder as feeder_cls
-    chunks = make_chunks()
+    chunks = make_chunks(args.chunks, args.workers)
     for capture in (None, CAPTURE):
         best = min(run(chunks, capture, feeder_cls, args.encoded, False)[0] for _ in range(3))
         print(f"store {'on ' if capture else 'off'}: feeder {best:.2f} ms per chunk")

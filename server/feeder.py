@@ -360,31 +360,66 @@ class EpisodeFeeder:
         tails.chunks.append(held)
         tails.held_bytes += held.nbytes
         length, num_envs = held.length, tails.num_envs
-        columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
-        col_type, rew_type = _window_types(tails, columns, rewards)
+        sources = self._key_sources(arrays)
+        if sources is None:
+            columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
+            col_type, rew_type = _window_types(tails, columns, rewards)
+        else:
+            # Every cell field is an integer state: keyed straight into the ring below.
+            columns = flagged = None
+            rewards = np.asarray(arrays["reward"])
+            col_type = _KEY_TYPES[0] if tails.columns is None else tails.columns.dtype.type
+            rew_type = _reward_type(tails, rewards)
+        width = len(self.processor.store.configuration.cell_fields)
         span = t0 + length - tails.chunks[0].t0
         if span > tails.capacity:
-            self._grow_window(tails, span, columns.shape[0], t0, col_type, rew_type)
+            self._grow_window(tails, span, width, t0, col_type, rew_type)
         else:
             if tails.columns.dtype != col_type:
                 tails.columns = tails.columns.astype(col_type)
             if tails.rewards.dtype != rew_type:
                 tails.rewards = tails.rewards.astype(rew_type)
-        cap, width = tails.capacity, columns.shape[0]
+        cap = tails.capacity
         # Env-major ring: an episode's steps lie back to back (but for one wrap).
-        columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
+        if columns is not None:
+            columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
+        else:
+            _ring_keys(tails, sources, t0)
         rewards = rewards.T
         if flagged is not None:
             flagged = flagged.reshape(length, num_envs).T
             if tails.flagged is None:
                 tails.flagged = np.zeros((num_envs, cap), dtype=bool)
         for t, a, b in _ring_pieces(t0, t0 + length, cap):
-            tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
+            if columns is not None:
+                tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
             tails.rewards[:, a:b] = rewards[:, t - t0 : t - t0 + b - a]
             if tails.flagged is not None:
                 tails.flagged[:, a:b] = (
                     False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
                 )
+
+    def _key_sources(self, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
+        """Per cell field, its (T, N) integer state column and (shift, bucket) for
+        kernels.ring_keys; None when some field takes the general path (another dtype, or a
+        field missing or misshapen: that path says what is wrong)."""
+        sources = []
+        for spec in self.processor.store.configuration.cell_fields:
+            arr = arrays.get("state:" + spec.state_field)
+            if arr is None and spec.state_field in _ALIASES:
+                arr = arrays.get("state:" + _ALIASES[spec.state_field])
+            if (
+                arr is None
+                or arr.dtype not in _RING_SOURCES
+                or arr.ndim != 2 + len(spec.index)
+                or any(i >= m for i, m in zip(spec.index, arr.shape[2:], strict=True))
+            ):
+                return None
+            bucket = spec.bucket
+            # Floor division by a power of two is an arithmetic shift.
+            rule = (bucket.bit_length() - 1, 0) if bucket & (bucket - 1) == 0 else (0, bucket)
+            sources.append((arr[(slice(None), slice(None), *spec.index)], *rule))
+        return sources
 
     def _chunk_columns(self, held: _Held, arrays: dict[str, np.ndarray], length: int, n: int):
         """(F, length * n) cell-key columns, (length, n) rewards (their own dtype) and None
@@ -536,23 +571,54 @@ _FLOAT32_EXACT = frozenset(
 _KEY_TYPES = (np.int16, np.int32, np.int64)
 
 
+# State dtypes whose cell keys the feeder writes into its window in one compiled pass.
+_RING_SOURCES = frozenset(np.dtype(t) for t in (np.int32, np.int64))
+
+
+def _ring_keys(tails: _WorkerTails, sources: list[tuple], t0: int) -> None:
+    """Key a chunk's steps into the window's ring (rows t0...), widening the ring's dtype
+    first when some key does not fit it."""
+    while True:
+        lows, highs = zip(
+            *(
+                kernels.ring_keys(src, shift, bucket, tails.columns[j], t0, tails.capacity)
+                for j, (src, shift, bucket) in enumerate(sources)
+            ),
+            strict=True,
+        )
+        key_type = _key_type(tails, min(lows), max(highs))
+        if key_type == tails.columns.dtype:
+            return
+        tails.columns = tails.columns.astype(key_type)  # then this chunk again
+
+
+def _key_type(tails: _WorkerTails, low: int, high: int) -> type:
+    """The narrowest window key dtype, no narrower than the current one, holding low..high."""
+    rank = 0 if tails.columns is None else _KEY_TYPES.index(tails.columns.dtype.type)
+    while rank < len(_KEY_TYPES) - 1:
+        info = np.iinfo(_KEY_TYPES[rank])
+        if info.min <= low and high <= info.max:
+            break
+        rank += 1
+    return _KEY_TYPES[rank]
+
+
+def _reward_type(tails: _WorkerTails, rewards: np.ndarray) -> type:
+    """float32 while every reward so far is exactly a float32, else float64 (for good)."""
+    wide = tails.rewards is not None and tails.rewards.dtype == np.float64
+    return np.float64 if wide or rewards.dtype not in _FLOAT32_EXACT else np.float32
+
+
 def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray):
     """The window's dtypes once this chunk is in: cell keys in the narrowest of int16 / int32
     / int64 that holds every key so far, rewards as float32 while every reward is exactly a
     float32 (else float64); never narrowed back. Keys on a grid usually fit int16, which
     quarters the keys' memory and the bytes the window writes and reads per step."""
-    rank = 0 if tails.columns is None else _KEY_TYPES.index(tails.columns.dtype.type)
-    if rank < len(_KEY_TYPES) - 1 and columns.size:
+    key_type = _KEY_TYPES[0] if tails.columns is None else tails.columns.dtype.type
+    if key_type != _KEY_TYPES[-1] and columns.size:
         lows, highs = kernels.key_bounds(columns)
-        low, high = int(lows.min()), int(highs.max())
-        while rank < len(_KEY_TYPES) - 1:
-            info = np.iinfo(_KEY_TYPES[rank])
-            if info.min <= low and high <= info.max:
-                break
-            rank += 1
-    wide_rew = tails.rewards is not None and tails.rewards.dtype == np.float64
-    wide_rew = wide_rew or rewards.dtype not in _FLOAT32_EXACT
-    return _KEY_TYPES[rank], (np.float64 if wide_rew else np.float32)
+        key_type = _key_type(tails, int(lows.min()), int(highs.max()))
+    return key_type, _reward_type(tails, rewards)
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:

@@ -34,5 +34,32 @@ def test_segment_cumsum_is_numpy_cumsum_per_segment():
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("src_type", [np.int32, np.int64])
+@pytest.mark.parametrize("ring_type", [np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("bucket", [1, 2, 3, 4, 7])
+def test_ring_keys_is_floor_division_into_the_ring(src_type, ring_type, bucket):
+    """Keys as numpy's floor division (negative values included) at ring columns
+    (t0 + t) % capacity, through a wrap; the bounds are the keys' min and max."""
+    rng = np.random.default_rng(bucket)
+    state = rng.integers(-1000, 1000, size=(12, 5, 1, 2)).astype(src_type)
+    src = state[:, :, 0, 1]  # strided, as the feeder passes a field at an index
+    capacity, t0 = 16, 29  # columns 13, 14, 15, 0, 1, ...
+    ring = np.full((5, capacity), 99, ring_type)
+    shift, div = (bucket.bit_length() - 1, 0) if bucket & (bucket - 1) == 0 else (0, bucket)
+    low, high = kernels.ring_keys(src, shift, div, ring, t0, capacity)
+    expected = np.floor_divide(src.astype(np.int64), bucket)
+    columns = (t0 + np.arange(12)) % capacity
+    np.testing.assert_array_equal(ring[:, columns], expected.T)
+    untouched = np.setdiff1d(np.arange(capacity), columns)
+    assert (ring[:, untouched] == 99).all()
+    assert (low, high) == (expected.min(), expected.max())
+
+
+def test_ring_keys_reports_keys_its_ring_cannot_hold():
+    src = np.array([[40000], [-5]], np.int32)
+    ring = np.zeros((1, 4), np.int16)
+    assert kernels.ring_keys(src, 0, 0, ring, 0, 4) == (-5, 40000)
+
+
 def test_warm_up_reports_ready():
     assert kernels.warm_up(wait=True, timeout=600)

@@ -373,3 +373,41 @@ def chunk_cumsum(rewards, out):  # pragma: no cover - compiled
             for n in range(num_envs):
                 out[t + 1, n] = out[t, n] + rewards[t, n]
     return out
+
+
+# Explicit types: a C-contiguous source takes the strided ("A") version, so no layout or
+# dtype the feeder passes ever compiles on the fly.
+_RING_KEYS_TYPES = [
+    f"UniTuple(int64, 2)({src}[:, :], int64, int64, {ring}[:, ::1], int64, int64)"
+    for src in ("int32", "int64")
+    for ring in ("int16", "int32", "int64")
+]
+
+
+@njit(_RING_KEYS_TYPES, cache=True, nogil=True)
+def ring_keys(src, shift, bucket, ring, t0, capacity):  # pragma: no cover - compiled
+    """A chunk's cell keys of one field into an env-major ring (N, capacity): step t of env n
+    goes to ``ring[n, (t0 + t) % capacity]``, keyed ``src[t, n] >> shift`` (bucket 0: a power
+    of two) or ``src[t, n] // bucket`` (floor, as numpy). Returns the keys' (min, max) as
+    int64; a key the ring's dtype cannot hold is written truncated (the caller widens the
+    ring and writes again)."""
+    length, num_envs = src.shape
+    lo = np.int64(0)
+    hi = np.int64(0)
+    if length == 0 or num_envs == 0:
+        return lo, hi
+    lo = np.int64(src[0, 0])
+    lo = lo >> shift if bucket == 0 else lo // bucket
+    hi = lo
+    a = t0 % capacity
+    head = min(length, capacity - a)
+    # Env by env: the writes run along a ring row; the strided reads stay in cache.
+    for n in range(num_envs):
+        row = ring[n]
+        for t in range(length):
+            v = np.int64(src[t, n])
+            k = v >> shift if bucket == 0 else v // bucket
+            lo = min(lo, k)
+            hi = max(hi, k)
+            row[a + t if t < head else t - head] = k
+    return lo, hi
