@@ -5,11 +5,11 @@ Usage: .venv/bin/python bench/server_threads.py [--rounds 3] [--chunks 80] [--wo
 
 Alternates a store-off and a store-on 4-worker ingest (the bench workload and store
 configuration) against a real `rollout-recorder serve`, and prints the ingest MB/s, the CPU
-seconds of each server thread during the run (from /proc/PID/task) and the server's minor
-page faults per chunk. `--py-spy FILE` also records the store-on runs' server with py-spy
-(raw folded stacks, every thread) into FILE; with `--gil` only the samples of the thread holding
-the GIL. A diagnostic, not a bench row: the numbers
-quoted in bench/profile_notes.md's store section come from it.
+seconds of each server thread during the run (from /proc/PID/task), the server's minor page
+faults per chunk and the machine's busy cores. `--py-spy FILE` also records the store-on
+runs' server with py-spy (raw folded stacks, every thread) into FILE; with `--gil`, only the
+samples of the thread holding the GIL. A diagnostic, not a bench row: the numbers quoted in
+bench/profile_notes.md's store section come from it.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def one_run(
             )
             for i in range(workers)
         ]
-        results, go_ns, _ = run_workers(specs, tmp / "workers")
+        results, go_ns, machine = run_workers(specs, tmp / "workers")
         after, faults1 = thread_cpu(pid), int(_stat(Path(f"/proc/{pid}/stat"))[7])
         if spy is not None:
             spy.send_signal(signal.SIGINT)
@@ -90,7 +90,8 @@ def one_run(
         f"store {'on ' if capture else 'off'}: {raw / wall_ns * 1e3:6.0f} MB/s, wall "
         f"{wall_ns / 1e9:.2f} s, server CPU {sum(used.values()):.2f} s, threads "
         f"[{', '.join(f'{v:.2f}' for v in busy)}] s, "
-        f"{(faults1 - faults0) / chunks:.0f} page faults per chunk"
+        f"{(faults1 - faults0) / chunks:.0f} page faults per chunk; machine "
+        f"{machine.get('busy_cores', float('nan')):.2f} busy cores"
     )
 
 
