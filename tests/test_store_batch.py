@@ -221,6 +221,60 @@ def test_grouping_fallbacks_give_the_same_store(monkeypatch, limits):
     assert state(slow) == state(fast) == state(one)
 
 
+def test_archive_id_table_gives_the_ids_of_the_key_dict(monkeypatch):
+    """Keys that drift outward (the table's box regrows), then jump far (the table is given up
+    for the dict): the same archive as with the dict alone, and every cell found by key."""
+    from recorder_server.store import archive as archive_mod
+
+    config = TrajectoryTrainingConfiguration(
+        cell_fields=(CellField("p", (0,), name="x"), CellField("p", (1,), bucket=2, name="y")),
+        utilities=(UtilityConfig("w", gamma=0.9),),
+        outcome_rule=OutcomeRule("reward_sign", 0.0),
+    )
+    rng = np.random.default_rng(5)
+
+    def batch(spread, shift=0):
+        return [
+            EpisodeArrays(
+                np.zeros(n),
+                rng.choice([-1.0, 0.0, 1.0], n),
+                {"p": rng.integers(-spread, spread + 1, (n, 2)) + shift},
+            )
+            for n in rng.integers(1, 20, 6)
+        ]
+
+    batches = [batch(s) for s in (1, 2, 5, 40, 300)] + [batch(3, 1 << 40), batch(7)]
+    table, plain = TrajectoryStore(config, seed=0), TrajectoryStore(config, seed=0)
+    for b in batches:
+        table.record_episodes(b, steps=1, outcomes=EpisodeOutcome.UNKNOWN)
+    assert table._archive._box_off  # the far jump gave the table up
+    monkeypatch.setattr(archive_mod, "_TABLE_LIMIT", 0)
+    for b in batches:
+        plain.record_episodes(b, steps=1, outcomes=EpisodeOutcome.UNKNOWN)
+    assert plain._archive._box is None
+    assert state(table) == state(plain)
+    keys = table.cell_keys()
+    assert len(keys) == len(set(keys)) > 100
+    assert all(table.cell(k) is not None for k in keys)
+
+
+def test_archive_id_table_stays_on_while_keys_fit():
+    config = TrajectoryTrainingConfiguration(
+        cell_fields=(CellField("p", (0,), name="x"), CellField("p", (1,), name="y")),
+    )
+    store = TrajectoryStore(config, seed=0)
+    rng = np.random.default_rng(6)
+    for spread in (1, 4, 16, 64):
+        p = rng.integers(-spread, spread + 1, (50, 2))
+        store.record_episode(EpisodeArrays(np.zeros(50), np.ones(50), {"p": p}), step=0)
+    archive = store._archive
+    assert archive._box is not None and not archive._box_off
+    lows, highs, strides, table = archive._box
+    keys = archive.view("keys")
+    np.testing.assert_array_equal(table[(keys - lows) @ strides], np.arange(len(archive)))
+    assert (table >= 0).sum() == len(archive)
+
+
 # -- the capture processor ------------------------------------------------------------------------
 
 CAPTURE_CONFIG = TrajectoryTrainingConfiguration(

@@ -16,6 +16,7 @@ steps and their discounted sums then come from single passes over the steps (ker
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +44,6 @@ class BatchCells:
     """(E+1,) int64: episode e holds steps offsets[e]..offsets[e+1]-1 of the concatenation."""
     keys: np.ndarray
     """(U, F) int64 distinct cell keys of the batch."""
-    key_ids: list[bytes]
-    """The same keys as bytes (dict keys of the archive index)."""
     visits: np.ndarray
     """(U,) int64 steps spent in each cell over the batch."""
     codes: np.ndarray
@@ -72,6 +71,11 @@ class BatchCells:
     @property
     def num_episodes(self) -> int:
         return int(self.lengths.shape[0])
+
+    @functools.cached_property
+    def key_ids(self) -> list[bytes]:
+        """The keys as bytes (the archive index's dict keys), made on first use."""
+        return key_bytes(self.keys).tolist()
 
     def discounted_sums(self, utility: int, powers: np.ndarray) -> np.ndarray:
         """(P,) per-pair sums of ``powers[k]`` over the pair's steps, ``k`` the steps before
@@ -201,7 +205,6 @@ def _batch_cells(
         lengths=lengths,
         offsets=offsets,
         keys=keys,
-        key_ids=key_bytes(keys).tolist(),
         visits=visits,
         codes=codes,
         step_codes=step_codes,
