@@ -273,6 +273,8 @@ def test_archive_id_table_stays_on_while_keys_fit():
     keys = archive.view("keys")
     np.testing.assert_array_equal(table[(keys - lows) @ strides], np.arange(len(archive)))
     assert (table >= 0).sum() == len(archive)
+    # Room to grow, but no more than twice the keys' extent per field.
+    assert ((highs - lows + 1) <= 2 * (keys.max(axis=0) - keys.min(axis=0) + 1)).all()
 
 
 # -- the capture processor ------------------------------------------------------------------------

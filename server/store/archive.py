@@ -158,7 +158,8 @@ class CellArchive:
             lows, highs, _, _ = self._box
             if (lo >= lows).all() and (hi <= highs).all():
                 return True
-            lo, hi = np.minimum(lo, lows), np.maximum(hi, highs)
+        # The new box: twice the keys' actual extent (not the old box's), so that keys
+        # drifting outward do not double it rebuild after rebuild.
         if self.size:
             held = self.keys[: self.size]
             lo, hi = np.minimum(lo, held.min(axis=0)), np.maximum(hi, held.max(axis=0))
