@@ -5,8 +5,8 @@ Usage: .venv/bin/python bench/server_threads.py [--rounds 3] [--chunks 80] [--wo
 
 Alternates a store-off and a store-on 4-worker ingest (the bench workload and store
 configuration) against a real `rollout-recorder serve`, and prints the ingest MB/s, the CPU
-seconds of each server thread during the run (from /proc/PID/task), the server's minor page
-faults per chunk and the machine's busy cores. `--py-spy FILE` also records the store-on
+seconds and minor page faults of each server thread during the run (from /proc/PID/task),
+the server's page faults per chunk and the machine's busy cores. `--py-spy FILE` also records the store-on
 runs' server with py-spy (raw folded stacks, every thread) into FILE; with `--gil`, only the
 samples of the thread holding the GIL. A diagnostic, not a bench row: the numbers quoted in
 bench/profile_notes.md's store section come from it.
@@ -36,15 +36,15 @@ def _stat(path: Path) -> list[str]:
     return path.read_text().rsplit(")", 1)[1].split()
 
 
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of each thread (by thread id) of a process."""
-    out: dict[str, float] = {}
+def thread_cpu(pid: int) -> dict[str, tuple[float, int]]:
+    """CPU seconds and minor page faults so far of each thread (by thread id) of a process."""
+    out: dict[str, tuple[float, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = _stat(task / "stat")
         except OSError:  # the thread ended meanwhile
             continue
-        out[task.name] = (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        out[task.name] = ((int(fields[11]) + int(fields[12])) / _CLK_TCK, int(fields[7]))
     return out
 
 
@@ -84,12 +84,16 @@ def one_run(
     wall_ns = max(r["end_ns"] for r in results) - go_ns
     raw = sum(r["raw_bytes"] for r in results)
     chunks = workers * ctx.params.ingest_chunks
-    used = {t: after[t] - before.get(t, 0.0) for t in after}
-    busy = sorted((v for v in used.values() if v >= 0.01), reverse=True)
+    used = {
+        t: (c - before.get(t, (0.0, 0))[0], f - before.get(t, (0.0, 0))[1])
+        for t, (c, f) in after.items()
+    }
+    busy = sorted((v for v in used.values() if v[0] >= 0.01), reverse=True)
     return (
         f"store {'on ' if capture else 'off'}: {raw / wall_ns * 1e3:6.0f} MB/s, wall "
-        f"{wall_ns / 1e9:.2f} s, server CPU {sum(used.values()):.2f} s, threads "
-        f"[{', '.join(f'{v:.2f}' for v in busy)}] s, "
+        f"{wall_ns / 1e9:.2f} s, server CPU {sum(c for c, _ in used.values()):.2f} s, threads "
+        f"[{', '.join(f'{c:.2f}' for c, _ in busy)}] s, their page faults per chunk "
+        f"[{', '.join(f'{f / chunks:.0f}' for _, f in busy)}], "
         f"{(faults1 - faults0) / chunks:.0f} page faults per chunk; machine "
         f"{machine.get('busy_cores', float('nan')):.2f} busy cores"
     )
