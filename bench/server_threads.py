@@ -6,10 +6,10 @@ Usage: .venv/bin/python bench/server_threads.py [--rounds 3] [--chunks 80] [--wo
 Alternates a store-off and a store-on 4-worker ingest (the bench workload and store
 configuration) against a real `rollout-recorder serve`, and prints the ingest MB/s, the CPU
 seconds and minor page faults of each server thread during the run (from /proc/PID/task),
-the server's page faults per chunk and the machine's busy cores. `--py-spy FILE` also records the store-on
-runs' server with py-spy (raw folded stacks, every thread) into FILE; with `--gil`, only the
-samples of the thread holding the GIL. A diagnostic, not a bench row: the numbers quoted in
-bench/profile_notes.md's store section come from it.
+the server's page faults per chunk and the machine's busy cores. `--py-spy FILE` also
+records the store-on runs' server with py-spy (raw folded stacks, every thread) into FILE;
+with `--gil`, only the samples of the thread holding the GIL. A diagnostic, not a bench row:
+the numbers quoted in bench/profile_notes.md's store section come from it.
 """
 
 from __future__ import annotations
