@@ -28,8 +28,8 @@ _COLUMNS: dict[str, tuple[type, float | int]] = {
 }
 
 
-# The id table's most entries (int64): beyond that the dict serves alone.
-_TABLE_LIMIT = 1 << 22
+# The id table's most entries (int32 ids: 4 MB at most); beyond that the dict serves alone.
+_TABLE_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -146,13 +146,16 @@ class CellArchive:
         keys = cells.keys
         if keys.shape[0] and not self._box_off and self._cover(keys):
             lows, _, strides, table = self._box
-            return table[(keys - lows) @ strides]
+            return table[(keys - lows) @ strides].astype(np.int64)
         get = self._index.get
         return np.fromiter((get(k, -1) for k in cells.key_ids), np.int64, count=keys.shape[0])
 
     def _cover(self, keys: np.ndarray) -> bool:
         """Make the id table's box hold ``keys`` (rebuilt, with room to grow, when they fall
         outside it); False, for good, once it would pass _TABLE_LIMIT entries."""
+        if self.size + keys.shape[0] >= 1 << 31:  # ids past int32: the dict alone
+            self._box, self._box_off = None, True
+            return False
         lo, hi = keys.min(axis=0), keys.max(axis=0)
         if self._box is not None:
             lows, highs, _, _ = self._box
@@ -184,7 +187,7 @@ class CellArchive:
         lows = np.array(lows_i, dtype=np.int64)
         highs = np.array([a + r - 1 for a, r in zip(lows_i, ranges, strict=True)], dtype=np.int64)
         strides = np.array(strides_i, dtype=np.int64)
-        table = np.full(total, -1, dtype=np.int64)
+        table = np.full(total, -1, dtype=np.int32)
         if self.size:
             table[(self.keys[: self.size] - lows) @ strides] = np.arange(self.size)
         self._box = (lows, highs, strides, table)
