@@ -110,6 +110,33 @@ def test_enabled_store_metrics_tags():
     )
 
 
+def test_large_archive_gauges_refresh_at_most_once_per_period(monkeypatch):
+    """Above the cell threshold the O(cells) gauges are repeated within a period, while the
+    counters stay current; below it (and once the period has passed) they are recomputed."""
+    from recorder_server.store import store as store_mod
+
+    store = build_store(CONFIG, seed=1)
+    rng = np.random.default_rng(4)
+    store.record_episode(random_episode(rng, 40), step=0, outcome=EpisodeOutcome.WIN)
+    first = store.metrics()
+    monkeypatch.setattr(store_mod, "_GAUGE_CELLS", 1)
+    monkeypatch.setattr(store_mod, "_GAUGE_PERIOD", 3600.0)
+    store.metrics()  # computed now: the cache is this call's
+    store.record_episode(random_episode(rng, 40), step=40, outcome=EpisodeOutcome.LOSS)
+    stale = store.metrics()
+    assert stale["store_episodes"] == first["store_episodes"] + 1  # counters: current
+    assert stale["utility/win_proximity/mean"] == first["utility/win_proximity/mean"]
+    assert stale["curriculum_start_entropy"] == first["curriculum_start_entropy"]
+    monkeypatch.setattr(store_mod, "_GAUGE_PERIOD", 0.0)
+    current = store.metrics()
+    assert current["utility/win_proximity/mean"] < first["utility/win_proximity/mean"]
+    monkeypatch.setattr(store_mod, "_GAUGE_PERIOD", 3600.0)
+    monkeypatch.setattr(store_mod, "_GAUGE_CELLS", 10_000)
+    store.record_episode(random_episode(rng, 40), step=80, outcome=EpisodeOutcome.LOSS)
+    small = store.metrics()  # a small archive: always recomputed
+    assert small["utility/win_proximity/mean"] < current["utility/win_proximity/mean"]
+
+
 def test_processor_rejects_mismatched_store():
     other = dataclasses.replace(CONFIG, selection_power=1.0)
     with pytest.raises(ValueError, match="differs"):

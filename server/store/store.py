@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ CHECKPOINT_FORMAT = "recorder.trajectory_store.v1"
 # sample_start remembers this many handed-out starts so that the episode run from one can be
 # credited to its cell without decoding the trajectory again.
 _MAX_PENDING_STARTS = 1 << 16
+# metrics(): archives above this many cells recompute their O(cells) gauges at most once per
+# this many seconds (at 100,000 cells they cost ~2 ms, about the rest of a chunk's store work).
+_GAUGE_CELLS = 10_000
+_GAUGE_PERIOD = 1.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class TrajectoryStore:
         # Per utility: the sign of each outcome code; gamma -> cached gamma ** k table.
         self._sign_tables = [[u.sign(o) for o in EpisodeOutcome] for u in configuration.utilities]
         self._power_tables: dict[float, np.ndarray] = {}
+        # (monotonic time, values) of the per-cell gauges last computed (see metrics()).
+        self._gauges: tuple[float, dict[str, float]] | None = None
         kernels.warm_up()
 
     # -- configuration -------------------------------------------------------------------------
@@ -556,13 +563,14 @@ class TrajectoryStore:
             return self._repository.ids()
 
     def metrics(self) -> dict[str, float]:
-        """Store-derived metric values (tag suffixes, without the ``Trajectories/`` prefix)."""
+        """Store-derived metric values (tag suffixes, without the ``Trajectories/`` prefix).
+
+        The per-cell gauges (start entropy, utility mean and max) cost O(cells) and this runs at
+        every episode boundary: above _GAUGE_CELLS cells they are recomputed at most once per
+        _GAUGE_PERIOD seconds and repeated in between; everything else is always current."""
         with self._lock:
-            times = self._archive.view("times_chosen").copy()
-            visits = self._archive.view("visits").astype(np.float64)
-            sums = self._utilities.sums[:, : len(visits)].copy()
             out = {
-                "archive_cells": float(len(visits)),
+                "archive_cells": float(len(self._archive)),
                 "archive_new_cells_last_episode": float(self._counters["last_new_cells"]),
                 "archive_improved_cells_last_episode": float(self._counters["last_improved"]),
                 "store_episodes": float(self._counters["episodes"]),
@@ -575,13 +583,29 @@ class TrajectoryStore:
                 ),
                 **self._repository.stats(),
             }
-        out["curriculum_start_entropy"] = curriculum_mod.entropy(
-            times, self._config.selection_power
-        )
-        for u, name in enumerate(self._utilities.names):
-            values = sums[u] / visits if len(visits) else np.zeros(1)
-            out[f"utility/{name}/mean"] = float(values.mean())
-            out[f"utility/{name}/max"] = float(values.max())
+            now = time.monotonic()
+            cached = self._gauges
+            fresh = (
+                cached is None
+                or len(self._archive) <= _GAUGE_CELLS
+                or now - cached[0] >= _GAUGE_PERIOD
+            )
+            if fresh:
+                times = self._archive.view("times_chosen").copy()
+                visits = self._archive.view("visits").astype(np.float64)
+                sums = self._utilities.sums[:, : len(visits)].copy()
+        if fresh:
+            gauges = {
+                "curriculum_start_entropy": curriculum_mod.entropy(
+                    times, self._config.selection_power
+                )
+            }
+            for u, name in enumerate(self._utilities.names):
+                values = sums[u] / visits if len(visits) else np.zeros(1)
+                gauges[f"utility/{name}/mean"] = float(values.mean())
+                gauges[f"utility/{name}/max"] = float(values.max())
+            self._gauges = cached = (now, gauges)
+        out.update(cached[1])
         return out
 
     # -- state ---------------------------------------------------------------------------------
