@@ -214,6 +214,7 @@ def test_checkpoint_midpoint_override_and_errors():
     b = TrajectoryCaptureProcessor(CONFIG, RecordingMetrics(), build_store(CONFIG))
     b.load_trajectory_store_checkpoint_data(file.data)
     assert b.store.midpoint_start_counts() == {(5, 6): 7}
+    assert b.store.metrics()["curriculum_midpoint_starts"] == 7
     with pytest.raises(ValueError, match="midpoint_start_episode_cell_counts"):
         a.trajectory_store_checkpoint_file(
             False, checkpoint_step=1, midpoint_start_episode_cell_counts={(5,): 1}

@@ -40,6 +40,7 @@ class Curriculum:
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.starts = 0
         self.midpoint_counts: dict[TrajectoryKey, int] = {}
+        self.midpoint_total = 0  # sum(midpoint_counts.values()), kept as they change
         self.unresolved_midpoint_starts = 0
 
     def choose(self, times_chosen: np.ndarray) -> int:
@@ -53,6 +54,11 @@ class Curriculum:
             self.unresolved_midpoint_starts += 1
         else:
             self.midpoint_counts[key] = self.midpoint_counts.get(key, 0) + 1
+            self.midpoint_total += 1
+
+    def set_midpoint_counts(self, counts: dict[TrajectoryKey, int]) -> None:
+        self.midpoint_counts = counts
+        self.midpoint_total = sum(counts.values())
 
     def runtime_state(self) -> dict[str, Any]:
         """JSON-able generator state and counter (big ints as strings)."""

@@ -576,7 +576,7 @@ class TrajectoryStore:
                 "store_episodes": float(self._counters["episodes"]),
                 "store_steps": float(self._counters["steps"]),
                 "curriculum_starts": float(self._curriculum.starts),
-                "curriculum_midpoint_starts": float(sum(self._curriculum.midpoint_counts.values())),
+                "curriculum_midpoint_starts": float(self._curriculum.midpoint_total),
                 "curriculum_midpoint_start_cells": float(len(self._curriculum.midpoint_counts)),
                 "curriculum_unresolved_midpoint_starts": float(
                     self._curriculum.unresolved_midpoint_starts
@@ -705,7 +705,7 @@ class TrajectoryStore:
         repository.evict_to_capacity()
         with self._lock:
             self._archive, self._repository, self._utilities = archive, repository, utilities
-            self._curriculum.midpoint_counts = midpoint
+            self._curriculum.set_midpoint_counts(midpoint)
             self._curriculum.unresolved_midpoint_starts = counters.pop(
                 "unresolved_midpoint_starts", 0
             )
