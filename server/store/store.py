@@ -706,6 +706,7 @@ class TrajectoryStore:
         with self._lock:
             self._archive, self._repository, self._utilities = archive, repository, utilities
             self._curriculum.set_midpoint_counts(midpoint)
+            self._gauges = None  # a loaded archive's gauges are computed afresh
             self._curriculum.unresolved_midpoint_starts = counters.pop(
                 "unresolved_midpoint_starts", 0
             )
