@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels
-from .batch import BatchCells
+from .batch import BatchCells, _code_space
 from .cells import key_bytes
 
 # Array name -> (dtype, fill for new cells). "keys" is (capacity, F); the rest are (capacity,).
@@ -166,26 +166,24 @@ class CellArchive:
         if self.size:
             held = self.keys[: self.size]
             lo, hi = np.minimum(lo, held.min(axis=0)), np.maximum(hi, held.max(axis=0))
-        # Python ints: the box's size is exact however far apart the keys are.
+        # Python ints until the box is known to fit int64, however far apart the keys are.
         lo_i, hi_i = lo.tolist(), hi.tolist()
         for slack in (True, False):
-            ranges = [(h - a + 1) * (2 if slack else 1) for a, h in zip(lo_i, hi_i, strict=True)]
-            lows_i = [a - (r // 4 if slack else 0) for a, r in zip(lo_i, ranges, strict=True)]
-            total = 1
-            for r in ranges:
-                total *= r
-            if total <= _TABLE_LIMIT and all(
-                -(1 << 62) < a and a + r < (1 << 62) for a, r in zip(lows_i, ranges, strict=True)
-            ):
-                break
+            # With slack: twice the extent, half of it on each side.
+            widths = [h - a + 1 for a, h in zip(lo_i, hi_i, strict=True)]
+            box = [
+                (a - w // 2, h + w - w // 2) if slack else (a, h)
+                for a, h, w in zip(lo_i, hi_i, widths, strict=True)
+            ]
+            if all(-(1 << 62) < a and h < (1 << 62) for a, h in box):
+                lows = np.array([a for a, _ in box], dtype=np.int64)
+                highs = np.array([h for _, h in box], dtype=np.int64)
+                _, total, strides_i = _code_space(lows, highs)
+                if total <= _TABLE_LIMIT:
+                    break
         else:
             self._box, self._box_off = None, True
             return False
-        strides_i = [1] * len(ranges)
-        for j in range(len(ranges) - 2, -1, -1):
-            strides_i[j] = strides_i[j + 1] * ranges[j + 1]
-        lows = np.array(lows_i, dtype=np.int64)
-        highs = np.array([a + r - 1 for a, r in zip(lows_i, ranges, strict=True)], dtype=np.int64)
         strides = np.array(strides_i, dtype=np.int64)
         table = np.full(total, -1, dtype=np.int32)
         if self.size:
