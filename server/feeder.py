@@ -51,15 +51,17 @@ class BufferPool:
     next chunks' decoding: the window keeps tens of decoded chunks per worker, and fresh
     buffers for every chunk would each be faulted in page by page."""
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 128 << 20) -> None:
         self.max_bytes = max_bytes
         self._free: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
         self._bytes = 0
+        self._taken: set[tuple[str, tuple[int, ...]]] = set()  # since the last time full
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (np.dtype(dtype).str, tuple(shape))
         with self._lock:
+            self._taken.add(key)
             free = self._free.get(key)
             if free:
                 arr = free.pop()
@@ -77,13 +79,18 @@ class BufferPool:
             key = (arr.dtype.str, arr.shape)
             with self._lock:
                 if self._bytes + arr.nbytes > self.max_bytes:
-                    # Full (of shapes no longer sent, say): start over with the current ones.
-                    self._free.clear()
-                    self._bytes = 0
-                    if arr.nbytes > self.max_bytes:
+                    # Full: shapes not taken since the last time go (no longer sent); warm
+                    # buffers of the current ones stay for the next chunks, this one goes.
+                    self._drop_untaken()
+                    if self._bytes + arr.nbytes > self.max_bytes:
                         continue
                 self._free.setdefault(key, []).append(arr)
                 self._bytes += arr.nbytes
+
+    def _drop_untaken(self) -> None:
+        for key in [k for k in self._free if k not in self._taken]:
+            self._bytes -= sum(a.nbytes for a in self._free.pop(key))
+        self._taken.clear()
 
 
 class _Held:

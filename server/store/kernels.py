@@ -31,9 +31,12 @@ def __getattr__(name: str):
     from . import _jit
 
     try:
-        return getattr(_jit, name)
+        loop = getattr(_jit, name)
     except AttributeError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    if thread is not None and not thread.is_alive():
+        globals()[name] = loop  # warmed up: later lookups skip this function
+    return loop
 
 
 def warm_up(wait: bool = False, timeout: float | None = None) -> bool:
