@@ -51,17 +51,21 @@ class BufferPool:
     next chunks' decoding: the window keeps tens of decoded chunks per worker, and fresh
     buffers for every chunk would each be faulted in page by page."""
 
-    def __init__(self, max_bytes: int = 128 << 20) -> None:
+    def __init__(self, max_bytes: int = 128 << 20, stale_takes: int = 256) -> None:
         self.max_bytes = max_bytes
+        # A shape no take asked for in this many takes is taken to be no longer sent.
+        self.stale_takes = stale_takes
         self._free: dict[tuple[str, tuple[int, ...]], list[np.ndarray]] = {}
         self._bytes = 0
-        self._taken: set[tuple[str, tuple[int, ...]]] = set()  # since the last time full
+        self._takes = 0
+        self._last_take: dict[tuple[str, tuple[int, ...]], int] = {}
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         key = (np.dtype(dtype).str, tuple(shape))
         with self._lock:
-            self._taken.add(key)
+            self._takes += 1
+            self._last_take[key] = self._takes
             free = self._free.get(key)
             if free:
                 arr = free.pop()
@@ -79,18 +83,20 @@ class BufferPool:
             key = (arr.dtype.str, arr.shape)
             with self._lock:
                 if self._bytes + arr.nbytes > self.max_bytes:
-                    # Full: shapes not taken since the last time go (no longer sent); warm
-                    # buffers of the current ones stay for the next chunks, this one goes.
-                    self._drop_untaken()
+                    # Full: stale shapes go; warm buffers of the shapes in use stay for
+                    # the next chunks (releases come in bursts), and this one goes.
+                    self._drop_stale()
                     if self._bytes + arr.nbytes > self.max_bytes:
                         continue
                 self._free.setdefault(key, []).append(arr)
                 self._bytes += arr.nbytes
 
-    def _drop_untaken(self) -> None:
-        for key in [k for k in self._free if k not in self._taken]:
+    def _drop_stale(self) -> None:
+        oldest = self._takes - self.stale_takes
+        for key in [k for k in self._free if self._last_take.get(k, 0) <= oldest]:
             self._bytes -= sum(a.nbytes for a in self._free.pop(key))
-        self._taken.clear()
+        for key in [k for k, t in self._last_take.items() if t <= oldest]:
+            del self._last_take[key]
 
 
 class _Held:

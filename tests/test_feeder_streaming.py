@@ -309,25 +309,25 @@ def test_session_recycles_decode_buffers_without_corrupting_stored_episodes():
 
 
 def test_buffer_pool_when_full_keeps_the_shapes_in_use_and_drops_stale_ones():
-    """A full pool lets the extra buffer go but keeps its warm ones of the shapes still
-    taken; shapes no longer taken are dropped at the next time it is full."""
+    """A full pool lets the extra buffer go but keeps its warm ones of the shapes in use, also
+    through a burst of releases; a shape no take asked for lately is dropped once full."""
     from recorder_server.feeder import BufferPool
 
-    pool = BufferPool(max_bytes=4 * 800)
+    pool = BufferPool(max_bytes=4 * 800, stale_takes=4)
     # Each array's only holder is its dict, as for a held chunk (800 bytes each).
     old = [{"a": pool.take((100,), np.float64)} for _ in range(2)]
     new = [{"a": pool.take((10, 10), np.float64)} for _ in range(3)]
-    for batch in old + new:
+    for batch in old + new + [{"a": np.empty((10, 10))}]:  # a burst: two over the cap
         pool.give_all(batch)
-    # 4 of the 5 fit: the last one handed back (a (10, 10)) was let go.
+    # 4 of the 6 fit: the last two handed back were let go, the warm ones kept.
     assert pool._bytes == 4 * 800
     assert {(k[1], len(v)) for k, v in pool._free.items()} == {((100,), 2), ((10, 10), 2)}
     # From now on only (10, 10) is taken: the (100,) buffers go once the pool is full.
     warm = {id(a) for a in pool._free[("<f8", (10, 10))]}  # alive: no fresh one has their id
-    taken = [{"a": pool.take((10, 10), np.float64)} for _ in range(3)]
+    taken = [{"a": pool.take((10, 10), np.float64)} for _ in range(4)]
     assert len({id(b["a"]) for b in taken} & warm) == 2  # the warm ones, reused
     assert pool._bytes == 2 * 800
-    for batch in taken + [{"a": np.empty((10, 10))}]:
+    for batch in taken:
         pool.give_all(batch)
     assert {k[1]: len(v) for k, v in pool._free.items()} == {(10, 10): 4}
     assert pool._bytes == 4 * 800
