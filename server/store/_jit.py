@@ -215,9 +215,8 @@ def window_pairs(
     """:func:`group_pairs` and :func:`discounted_pair_sums` in one pass over episodes read in
     place from an env-major ring (keys (rows, N, capacity), rewards (N, capacity)), coding
     each step's key as ``sum((key_j - lows_j) * strides_j)`` and summing the rewards into
-    float64 cumulative returns on the way (as :func:`segment_cumsum`). A run of steps in one
-    cell keeps that cell's count, best step and sums in registers (the same additions, in the
-    same order, as step by step through memory).
+    float64 cumulative returns on the way (as :func:`segment_cumsum`). Per episode, each
+    cell's best step and sums are kept in per-code tables, added to step by step in order.
 
     Returns ``(pair_ep, pair_code, best_index, best_return, first_step, episode_pairs,
     counts, returns, bad, sums)``: counts per code, each episode's return (0.0 when empty),
@@ -227,10 +226,10 @@ def window_pairs(
     num_steps = offsets[num_eps]
     rows = ring.shape[0]
     num_util = powers.shape[0]
-    seen = np.full(num_codes, -1, np.int64)
+    seen = np.full(num_codes, -1, np.int64)  # the last episode that visited each code
     code_index = np.empty(num_codes, np.int64)
     code_return = np.empty(num_codes, np.float64)
-    code_sums = np.empty((num_codes, max(num_util, 1)), np.float64)
+    code_sums = np.zeros((max(num_util, 1), num_codes), np.float64)
     touched = np.empty(min(num_codes, num_steps), np.int64)
     first = np.full(num_codes, num_steps, np.int64)
     counts = np.zeros(num_codes, np.int64)
@@ -242,7 +241,7 @@ def window_pairs(
     episode_pairs = np.empty(num_eps + 1, np.int64)
     returns = np.zeros(num_eps, np.float64)
     codes = np.empty(capacity, np.int64)
-    acc = np.empty(max(num_util, 1), np.float64)
+    cum = np.empty(capacity, np.float64)
     bad = -1
     p = 0
     for e in range(num_eps):
@@ -253,8 +252,7 @@ def window_pairs(
         base = offsets[e]
         last = n - 1
         a = start[e] % capacity
-        head = min(n, capacity - a)
-        # codes of the episode's steps (vectorisable)
+        head = min(n, capacity - a)  # steps before the ring wraps
         for j in range(n):
             codes[j] = 0
         for r in range(rows):
@@ -265,67 +263,40 @@ def window_pairs(
             for j in range(head, n):
                 codes[j] += (np.int64(row[j - head]) - lo) * st
         rew = ring_rewards[env[e]]
-        nt = 0
         s = 0.0
-        cur = -1
-        run = 0
-        best = 0.0
-        bidx = 0
-        a0 = 0.0
-        # Step n is a sentinel (code -1) that flushes the last run.
-        for j in range(n + 1):
-            code = -1
-            if j < n:
-                code = codes[j]
-                col = a + j if j < head else j - head
-                reward = np.float64(rew[col])
-                s = reward if j == 0 else s + reward
-            if code != cur:
-                if cur >= 0:  # flush the run
-                    counts[cur] += run
-                    code_return[cur] = best
-                    code_index[cur] = bidx
-                    if num_util:
-                        code_sums[cur, 0] = a0
-                    for u in range(1, num_util):
-                        code_sums[cur, u] = acc[u]
-                if j == n:
-                    break
-                cur = code
-                run = 0
-                if seen[code] != e:
-                    seen[code] = e
-                    touched[nt] = code
-                    nt += 1
-                    best = s
-                    bidx = base + j
-                    if first[code] == num_steps:
-                        first[code] = base + j
-                    a0 = 0.0
-                    for u in range(1, num_util):
-                        acc[u] = 0.0
-                else:
-                    best = code_return[code]
-                    bidx = code_index[code]
-                    a0 = code_sums[code, 0] if num_util else 0.0
-                    for u in range(1, num_util):
-                        acc[u] = code_sums[code, u]
-            run += 1
-            if s > best:
-                best = s
-                bidx = base + j
-            if num_util:
-                a0 = a0 + powers[0, last - j]
-            for u in range(1, num_util):
-                acc[u] = acc[u] + powers[u, last - j]
+        for j in range(head):
+            s = np.float64(rew[a + j]) if j == 0 else s + np.float64(rew[a + j])
+            cum[j] = s
+        for j in range(head, n):
+            s = np.float64(rew[j - head]) if j == 0 else s + np.float64(rew[j - head])
+            cum[j] = s
+        nt = 0
+        for j in range(n):
+            code = codes[j]
+            c = cum[j]
+            if seen[code] != e:
+                seen[code] = e
+                touched[nt] = code
+                nt += 1
+                code_return[code] = c
+                code_index[code] = base + j
+                if first[code] == num_steps:
+                    first[code] = base + j
+                for u in range(num_util):
+                    code_sums[u, code] = 0.0
+            elif c > code_return[code]:  # strictly: the earliest step wins a tie
+                code_return[code] = c
+                code_index[code] = base + j
+            counts[code] += 1
+        for u in range(num_util):
+            pw = powers[u]
+            sums = code_sums[u]
+            for j in range(n):
+                sums[codes[j]] += pw[last - j]
         returns[e] = s
         if bad < 0 and not np.isfinite(s):
-            # the first non-finite cumulative of this episode
-            s2 = 0.0
             for j in range(n):
-                col = a + j if j < head else j - head
-                s2 = np.float64(rew[col]) if j == 0 else s2 + np.float64(rew[col])
-                if not np.isfinite(s2):
+                if not np.isfinite(cum[j]):
                     bad = base + j
                     break
         if p + nt > pair_cap:
@@ -336,13 +307,23 @@ def window_pairs(
             grown_f = np.empty((1 + num_util, pair_cap), np.float64)
             grown_f[:, :p] = pair_f[:, :p]
             pair_f = grown_f
-        for code in np.sort(touched[:nt]):
+        # The episode's cells in code order, sorted in place (a few tens; np.sort would
+        # allocate an array per episode, a fifth of the whole call).
+        for i in range(1, nt):
+            v = touched[i]
+            k = i - 1
+            while k >= 0 and touched[k] > v:
+                touched[k + 1] = touched[k]
+                k -= 1
+            touched[k + 1] = v
+        for q in range(nt):
+            code = touched[q]
             pair_i[0, p] = e
             pair_i[1, p] = code
             pair_i[2, p] = code_index[code]
             pair_f[0, p] = code_return[code]
             for u in range(num_util):
-                pair_f[1 + u, p] = code_sums[code, u]
+                pair_f[1 + u, p] = code_sums[u, code]
             p += 1
     episode_pairs[num_eps] = p
     return (
