@@ -1,10 +1,11 @@
 """Feeder cost per chunk with and without a trajectory store (bench workload).
 
 Usage: .venv/bin/python bench/store_ingest_profile.py [--workers 4] [--chunks 80] [--feeder PATH]
-                                                       [--encoded] [--profile]
+                                                       [--encoded] [--profile] [--batch K]
 Runs Session.apply over each worker's chunks (T=128, N=256; the workers' chunks interleaved
 and seeded as in the ingest row) with the feeder's queue intercepted, then times
-EpisodeFeeder._process per chunk (best of 3 passes over fresh sessions).
+EpisodeFeeder._process per chunk (best of 3 passes over fresh sessions); `--batch K` hands
+the feeder K chunks at a time, as its thread does when that many are queued.
 """
 
 import argparse
@@ -43,7 +44,7 @@ def make_chunks(count: int = 80, workers: int = 4) -> list[tuple[str, pb.Chunk]]
     return chunks
 
 
-def run(chunks, capture, feeder_cls, encoded: bool, profile: bool):
+def run(chunks, capture, feeder_cls, encoded: bool, profile: bool, batch: int = 1):
     s = Session("b", SessionConfig(None, True, STATES, capture), MetricsTracker())
     for name in dict(chunks):
         s.join(name, s.config)
@@ -63,8 +64,11 @@ def run(chunks, capture, feeder_cls, encoded: bool, profile: bool):
     t = time.perf_counter()
     if pr:
         pr.enable()
-    for it in items:
-        f._process(it)
+    for i in range(0, len(items), batch):
+        if batch == 1:
+            f._process(items[i])
+        else:
+            f._process_batch(items[i : i + batch])
     if pr:
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(20)
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--feeder", help="load EpisodeFeeder from this file instead")
     ap.add_argument("--encoded", action="store_true", help="hand the feeder StoredChunks")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--batch", type=int, default=1, help="chunks per feeder call")
     args = ap.parse_args()
     if args.feeder:
         spec = importlib.util.spec_from_file_location("recorder_server._feeder_alt", args.feeder)
@@ -90,10 +95,12 @@ def main() -> None:
         from recorder_server.feeder import EpisodeFeeder as feeder_cls
     chunks = make_chunks(args.chunks, args.workers)
     for capture in (None, CAPTURE):
-        best = min(run(chunks, capture, feeder_cls, args.encoded, False)[0] for _ in range(3))
+        best = min(
+            run(chunks, capture, feeder_cls, args.encoded, False, args.batch)[0] for _ in range(3)
+        )
         print(f"store {'on ' if capture else 'off'}: feeder {best:.2f} ms per chunk")
     if args.profile:
-        run(chunks, CAPTURE, feeder_cls, args.encoded, True)
+        run(chunks, CAPTURE, feeder_cls, args.encoded, True, args.batch)
 
 
 if __name__ == "__main__":

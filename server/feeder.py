@@ -4,16 +4,20 @@ Every finished episode reaches the capture processor (`record_episode`) and the
 metrics, whether or not a trajectory store is configured. Without a store only
 lengths, returns and outcomes are needed, computed per chunk with numpy; with a
 store the episode's arrays are gathered from the recent decoded chunks of its
-worker (kept while some environment's open episode still needs them).
+worker (kept while some environment's open episode still needs them). With a store,
+chunks that queued up meanwhile are recorded in one store call, in order: the store's
+fixed costs per call are then shared, which is what lets the feeder catch up.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +118,31 @@ class _Held:
 
 
 @dataclass
+class _Part:
+    """A chunk's finished episodes as the store path records them: rows of the session's
+    ring, start times and lengths, a fetch of episode i's full arrays, and which of the
+    chunk's episodes these are (kept[i] is False for one too long for the held tail)."""
+
+    rows: np.ndarray
+    start: np.ndarray
+    lengths: np.ndarray
+    fetch: Callable[[int], EpisodeArrays]
+    kept: np.ndarray
+
+
+@dataclass
+class _Finished:
+    """One processed chunk, waiting to be recorded and logged."""
+
+    item: ChunkEpisodes
+    tails: _WorkerTails
+    returns: np.ndarray
+    lengths: np.ndarray
+    outcomes: np.ndarray
+    part: _Part | None
+
+
+@dataclass
 class _WorkerTails:
     """Per-environment state of the open episodes of one worker."""
 
@@ -124,14 +153,76 @@ class _WorkerTails:
     # Recent chunks, oldest first, kept for the store path (see _Held).
     chunks: collections.deque = field(default_factory=collections.deque)
     held_bytes: int = 0
-    # The store path's per-step window over the held chunks: a ring of `capacity` steps
-    # (time t at row t % capacity) of cell-key columns (F, W, N), float64 rewards (W, N)
-    # and, once some step could not be keyed, a (W, N) flag of such steps.
-    capacity: int = 0
-    columns: np.ndarray | None = None
-    rewards: np.ndarray | None = None
-    flagged: np.ndarray | None = None
+    # The store path: this worker's environments are rows row..row+num_envs of the
+    # session's _Ring, which holds its steps from chunks[0].t0 up to `end`.
+    row: int = -1
+    end: int = 0
     decoded: collections.OrderedDict = field(default_factory=collections.OrderedDict)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row, self.row + self.num_envs)
+
+
+class _Ring:
+    """The store path's per-step window over every worker's held chunks: worker w's
+    environments are rows w.row... (env-major: an episode's steps lie back to back but for
+    one wrap) of a ring of `capacity` steps, time t at column t % capacity. Cell-key columns
+    (F, R, C), rewards (R, C) and, once some step could not be keyed, a (R, C) flag of such
+    steps. One ring for the whole session, so that chunks of several workers are recorded
+    in one store call."""
+
+    def __init__(self) -> None:
+        self.rows = 0  # in use; the arrays may have more (never touched, so never faulted in)
+        self.capacity = 0
+        self.columns: np.ndarray | None = None
+        self.rewards: np.ndarray | None = None
+        self.flagged: np.ndarray | None = None
+
+    def add_worker(self, tails: _WorkerTails) -> None:
+        """Give a new worker its rows (the columns of the other workers' rows are kept)."""
+        used = tails.row = self.rows
+        self.rows += tails.num_envs
+        if self.columns is None or self.rows <= self.rewards.shape[0]:
+            return
+        rows = max(self.rows, 2 * self.rewards.shape[0])
+        self.columns = _with_rows(self.columns, rows, used)
+        self.rewards = _with_rows(self.rewards, rows, used)
+        if self.flagged is not None:
+            self.flagged = _with_rows(self.flagged, rows, used)
+
+    def grow(self, workers, span: int, width: int, length: int, col_type, rew_type) -> None:
+        """Reallocate for at least ``span`` steps, keeping every worker's held steps."""
+        old_cap = self.capacity
+        # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
+        cap = max(span, 2 * old_cap, 32 * length, 1)
+        # Rows for workers joining later; rows never written are never faulted in.
+        rows = max(self.rows, 0 if self.rewards is None else self.rewards.shape[0], 4 * self.rows)
+        # Uninitialised: every step is written before it is read.
+        columns = np.empty((width, rows, cap), dtype=col_type)
+        rewards = np.empty((rows, cap), dtype=rew_type)
+        flagged = None if self.flagged is None else np.zeros((rows, cap), dtype=bool)
+        for tails in workers:
+            if not old_cap or not tails.chunks or tails.chunks[0].t0 >= tails.end:
+                continue
+            rows = tails.rows
+            for t, a, b in _ring_pieces(tails.chunks[0].t0, tails.end, old_cap):
+                for u, c, d in _ring_pieces(t, t + b - a, cap):
+                    src = slice(a + u - t, a + u - t + d - c)
+                    columns[:, rows, c:d] = self.columns[:, rows, src]
+                    rewards[rows, c:d] = self.rewards[rows, src]
+                    if flagged is not None:
+                        flagged[rows, c:d] = self.flagged[rows, src]
+        self.capacity, self.columns, self.rewards, self.flagged = cap, columns, rewards, flagged
+
+
+def _with_rows(arr: np.ndarray, rows: int, used: int) -> np.ndarray:
+    """``arr`` (..., R, C) reallocated with ``rows`` rows, the first ``used`` copied (the
+    others uninitialised, or False for flags)."""
+    shape = (*arr.shape[:-2], rows, arr.shape[-1])
+    out = np.zeros(shape, dtype=bool) if arr.dtype == bool else np.empty(shape, dtype=arr.dtype)
+    out[..., :used, :] = arr[..., :used, :]
+    return out
 
 
 class EpisodeFeeder:
@@ -145,6 +236,7 @@ class EpisodeFeeder:
         *,
         queue_chunks: int = 32,
         max_tail_bytes: int = 256 << 20,
+        max_batch: int = 16,
     ) -> None:
         self.session = session
         self.processor = processor
@@ -152,6 +244,9 @@ class EpisodeFeeder:
         self.max_tail_bytes = max_tail_bytes
         self._queue: queue.Queue[ChunkEpisodes | None] = queue.Queue(maxsize=queue_chunks)
         self._workers: dict[int, _WorkerTails] = {}
+        self._ring = _Ring()
+        # With a store, up to this many queued chunks are recorded in one store call.
+        self.max_batch = max_batch
         self._pending = 0
         self._idle = threading.Condition()
         # The store path recycles the decode buffers of the chunks it held.
@@ -180,6 +275,7 @@ class EpisodeFeeder:
     def reset(self) -> None:
         self.drain()
         self._workers.clear()
+        self._ring = _Ring()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -199,6 +295,7 @@ class EpisodeFeeder:
     def restore_tails(self, state: dict[int, dict[str, np.ndarray]], timelines: list) -> None:
         """Inverse of tails_state; the store path re-decodes the chunks open episodes need."""
         self._workers.clear()
+        self._ring = _Ring()
         by_index = {tl.index: tl for tl in timelines}
         for index, arrays in state.items():
             tails = _WorkerTails(
@@ -207,31 +304,46 @@ class EpisodeFeeder:
                 arrays["open_return"].astype(np.float64),
                 arrays["open_code"].astype(np.int64),
             )
+            if self.keeps_arrays:
+                self._ring.add_worker(tails)
+            self._workers[index] = tails
             timeline = by_index.get(index)
             if self.keeps_arrays and timeline is not None and tails.open_start.size:
                 oldest = int(tails.open_start.min())
                 for chunk in timeline.chunks:
                     if chunk.t0 + chunk.length > oldest:
                         self._hold(tails, chunk.t0, None, chunk)
-            self._workers[index] = tails
 
     # -- the thread ----------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
+            items = [self._queue.get()]
+            # With a store, a backlog is recorded in one store call: its fixed costs per call
+            # are then paid once for several chunks.
+            while self.keeps_arrays and items[-1] is not None and len(items) < self.max_batch:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is None
+            if stop:
+                items.pop()
             try:
                 # NaN and inf rewards are data, not errors: returns just carry them.
                 with np.errstate(all="ignore"):
-                    self._process(item)
+                    self._process_batch(items)
             except Exception:  # a bad episode must not stop the session's metrics
-                logger.exception("session %r: episode processing failed", self.session)
-                self.metrics.inc("Recorder/feed_errors", 1, session=self.session)
+                self._failed()
             finally:
                 with self._idle:
-                    self._pending -= 1
+                    self._pending -= len(items)
                     self._idle.notify_all()
+            if stop:
+                return
+
+    def _failed(self) -> None:
+        logger.exception("session %r: episode processing failed", self.session)
+        self.metrics.inc("Recorder/feed_errors", 1, session=self.session)
 
     def _tails(self, worker: int, num_envs: int) -> _WorkerTails:
         tails = self._workers.get(worker)
@@ -242,10 +354,51 @@ class EpisodeFeeder:
                 np.zeros(num_envs, dtype=np.float64),
                 np.zeros(num_envs, dtype=np.int64),
             )
+            if self.keeps_arrays:
+                self._ring.add_worker(tails)
             self._workers[worker] = tails
         return tails
 
     def _process(self, item: ChunkEpisodes) -> None:
+        self._process_batch([item])
+
+    def _process_batch(self, items: list[ChunkEpisodes]) -> None:
+        """Chunks in submission order: each chunk's episodes are found and its open tails
+        advanced, then all of them are recorded (with a store: in one call when every chunk's
+        episodes are valid, else chunk by chunk) and logged, chunk by chunk."""
+        finished = []
+        for item in items:
+            try:
+                finished.append(self._finish(item))
+            except Exception:
+                self._failed()
+        recorded = self._record([f for f in finished if f.item.env.size])
+        labels = {"session": self.session}
+        for f in recorded:
+            lengths, returns = f.lengths, f.returns
+            self.metrics.inc("Recorder/episodes_finished", float(lengths.size), **labels)
+            self.metrics.log_many(
+                {
+                    "Episode/return_mean": float(returns.mean()),
+                    "Episode/return_max": float(returns.max()),
+                    "Episode/return_min": float(returns.min()),
+                    "Episode/length_mean": float(lengths.mean()),
+                    "Episode/length_max": float(lengths.max()),
+                },
+                f.item.env_steps_before,
+                **labels,
+            )
+        if recorded:
+            # The store's gauges once per call, at its last chunk's step.
+            self.processor.log_metrics(recorded[-1].item.env_steps_before)
+        if self.keeps_arrays:
+            # After recording: the fetches read the held chunks this may release.
+            for tails in {id(f.tails): f.tails for f in finished}.values():
+                self._trim(tails)
+
+    def _finish(self, item: ChunkEpisodes) -> _Finished:
+        """One chunk's finished episodes (returns, lengths, outcomes and, with a store, where
+        their steps are), with the worker's open tails advanced past the chunk."""
         rewards = item.arrays["reward"]
         length, num_envs = rewards.shape
         tails = self._tails(item.worker, num_envs)
@@ -261,14 +414,17 @@ class EpisodeFeeder:
         codes = item.arrays.get("outcome")
         outcomes = self._outcomes(codes, tails, env, local_start, local_end, carried)
         lengths = end - start
+        part = None
         if self.keeps_arrays:
             self._hold(tails, t0, item.arrays, item.stored)
-            batch, kept = self._gather(tails, env, start, end)
-        else:
-            # No store: only lengths and outcomes count, so no arrays are gathered.
-            total = int(lengths.sum())
-            batch = EpisodeBatch(np.zeros(total, np.int8), np.zeros(total, np.float32), {}, lengths)
-            kept = np.ones(env.size, dtype=bool)
+            part = self._gather(tails, env, start, end)
+            truncated = int(env.size - part.kept.sum())
+            if truncated:
+                # Longer than the held tail allows: counted, never stored half-recorded.
+                self.truncated_episodes += truncated
+                self.metrics.inc(
+                    "Recorder/episodes_too_long_for_store", truncated, session=self.session
+                )
 
         # Advance the open tails past this chunk.
         last_end = np.full(num_envs, -1, dtype=np.int64)
@@ -288,31 +444,75 @@ class EpisodeFeeder:
             tails.open_code = np.where(ended | has, new_code, tails.open_code)
         else:
             tails.open_code[ended] = 0
-        step = item.env_steps_before
-        if env.size:
-            labels = {"session": self.session}
-            truncated = int(env.size - kept.sum())
-            if truncated:
-                # Longer than the held tail allows: counted, never stored half-recorded.
-                self.truncated_episodes += truncated
-                self.metrics.inc("Recorder/episodes_too_long_for_store", truncated, **labels)
-            self.processor.record_episodes(batch, None, step, outcomes=outcomes[kept])
-            self.metrics.inc("Recorder/episodes_finished", float(env.size), **labels)
-            self.metrics.log_many(
-                {
-                    "Episode/return_mean": float(returns.mean()),
-                    "Episode/return_max": float(returns.max()),
-                    "Episode/return_min": float(returns.min()),
-                    "Episode/length_mean": float(lengths.mean()),
-                    "Episode/length_max": float(lengths.max()),
-                },
-                step,
-                **labels,
+        return _Finished(item, tails, returns, lengths, outcomes, part)
+
+    def _record(self, finished: list[_Finished]) -> list[_Finished]:
+        """Record the chunks' episodes; returns the chunks whose episodes were recorded."""
+        if not finished:
+            return []
+        if not self.keeps_arrays:
+            # No store: only lengths and outcomes count, so no arrays are gathered.
+            recorded = []
+            for f in finished:
+                total = int(f.lengths.sum())
+                batch = EpisodeBatch(
+                    np.zeros(total, np.int8), np.zeros(total, np.float32), {}, f.lengths
+                )
+                try:
+                    self.processor.record_episodes(
+                        batch, None, f.item.env_steps_before, outcomes=f.outcomes
+                    )
+                except Exception:
+                    self._failed()
+                else:
+                    recorded.append(f)
+            return recorded
+        try:
+            self._record_window(finished)
+            return finished
+        except Exception:
+            if len(finished) == 1:
+                self._failed()
+                return []
+        # The store validates a whole call before changing anything: now chunk by chunk,
+        # so that only the chunks with an invalid episode are refused, as if sent alone.
+        recorded = []
+        for f in finished:
+            try:
+                self._record_window([f])
+            except Exception:
+                self._failed()
+            else:
+                recorded.append(f)
+        return recorded
+
+    def _record_window(self, finished: list[_Finished]) -> None:
+        """One store call for the kept episodes of several chunks, in order."""
+        parts = [f.part for f in finished]
+        if len(parts) == 1:
+            part = parts[0]
+            rows, start, lengths, fetch = part.rows, part.start, part.lengths, part.fetch
+            steps: int | np.ndarray = finished[0].item.env_steps_before
+            outcomes = finished[0].outcomes[part.kept]
+        else:
+            rows = np.concatenate([p.rows for p in parts])
+            start = np.concatenate([p.start for p in parts])
+            lengths = np.concatenate([p.lengths for p in parts])
+            counts = [p.rows.size for p in parts]
+            bounds = np.cumsum([0, *counts]).tolist()
+            fetches = [p.fetch for p in parts]
+
+            def fetch(i: int) -> EpisodeArrays:
+                k = bisect.bisect_right(bounds, i) - 1
+                return fetches[k](i - bounds[k])
+
+            steps = np.repeat(
+                np.array([f.item.env_steps_before for f in finished], dtype=np.int64), counts
             )
-            self.processor.log_metrics(step)
-        if self.keeps_arrays:
-            # After recording: the batch's fetches read the held chunks this may release.
-            self._trim(tails)
+            outcomes = np.concatenate([f.outcomes[p.kept] for f, p in zip(finished, parts)])
+        ring = self._ring
+        window = EpisodeWindow(ring.columns, ring.rewards, rows, start, lengths, fetch)
+        self.processor.record_episodes(window, None, steps, outcomes=outcomes)
 
     def _chunk_cumsum(self, rewards: np.ndarray) -> np.ndarray:
         """(T+1, N) float64 running sums of a chunk's rewards over time, row 0 zeros (valid
@@ -372,45 +572,46 @@ class EpisodeFeeder:
             )
         tails.chunks.append(held)
         tails.held_bytes += held.nbytes
+        ring = self._ring
         length, num_envs = held.length, tails.num_envs
         sources = self._key_sources(arrays)
         if sources is None:
             columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
-            col_type, rew_type = _window_types(tails, columns, rewards)
+            col_type, rew_type = _window_types(ring, columns, rewards)
         else:
             # Every cell field is an integer state: keyed straight into the ring below.
             columns = flagged = None
             rewards = np.asarray(arrays["reward"])
-            col_type = _KEY_TYPES[0] if tails.columns is None else tails.columns.dtype.type
-            rew_type = _reward_type(tails, rewards)
+            col_type = _KEY_TYPES[0] if ring.columns is None else ring.columns.dtype.type
+            rew_type = _reward_type(ring, rewards)
         width = len(self.processor.store.configuration.cell_fields)
         span = t0 + length - tails.chunks[0].t0
-        if span > tails.capacity:
-            self._grow_window(tails, span, width, t0, col_type, rew_type)
+        if span > ring.capacity:
+            ring.grow(self._workers.values(), span, width, length, col_type, rew_type)
         else:
-            if tails.columns.dtype != col_type:
-                tails.columns = tails.columns.astype(col_type)
-            if tails.rewards.dtype != rew_type:
-                tails.rewards = tails.rewards.astype(rew_type)
-        cap = tails.capacity
-        # Env-major ring: an episode's steps lie back to back (but for one wrap).
+            if ring.columns.dtype != col_type:
+                ring.columns = ring.columns.astype(col_type)
+            if ring.rewards.dtype != rew_type:
+                ring.rewards = ring.rewards.astype(rew_type)
+        cap, rows = ring.capacity, tails.rows
         if columns is not None:
             columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
         else:
-            _ring_keys(tails, sources, t0)
+            _ring_keys(ring, rows, sources, t0)
         rewards = rewards.T
         if flagged is not None:
             flagged = flagged.reshape(length, num_envs).T
-            if tails.flagged is None:
-                tails.flagged = np.zeros((num_envs, cap), dtype=bool)
+            if ring.flagged is None:
+                ring.flagged = np.zeros(ring.rewards.shape, dtype=bool)
         for t, a, b in _ring_pieces(t0, t0 + length, cap):
             if columns is not None:
-                tails.columns[:, :, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
-            tails.rewards[:, a:b] = rewards[:, t - t0 : t - t0 + b - a]
-            if tails.flagged is not None:
-                tails.flagged[:, a:b] = (
+                ring.columns[:, rows, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
+            ring.rewards[rows, a:b] = rewards[:, t - t0 : t - t0 + b - a]
+            if ring.flagged is not None:
+                ring.flagged[rows, a:b] = (
                     False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
                 )
+        tails.end = t0 + length
 
     def _key_sources(self, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
         """Per cell field, its (T, N) integer state column and (shift, bucket) for
@@ -474,38 +675,14 @@ class EpisodeFeeder:
         return columns, rewards, flagged
 
     @staticmethod
-    def _grow_window(
-        tails: _WorkerTails, span: int, width: int, t0: int, col_type, rew_type
-    ) -> None:
-        """Reallocate the ring for at least ``span`` steps, keeping the held steps before t0."""
-        old_cap = tails.capacity
-        # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
-        cap = max(span, 2 * old_cap, 32 * tails.chunks[-1].length, 1)
-        n = tails.num_envs
-        # Uninitialised: every step is written before it is read.
-        columns = np.empty((width, n, cap), dtype=col_type)
-        rewards = np.empty((n, cap), dtype=rew_type)
-        flagged = None if tails.flagged is None else np.empty((n, cap), dtype=bool)
-        lo = tails.chunks[0].t0
-        if old_cap and lo < t0:
-            for t, a, b in _ring_pieces(lo, t0, old_cap):
-                for u, c, d in _ring_pieces(t, t + b - a, cap):
-                    src = slice(a + u - t, a + u - t + d - c)
-                    columns[:, :, c:d] = tails.columns[:, :, src]
-                    rewards[:, c:d] = tails.rewards[:, src]
-                    if flagged is not None:
-                        flagged[:, c:d] = tails.flagged[:, src]
-        tails.capacity, tails.columns, tails.rewards, tails.flagged = cap, columns, rewards, flagged
-
-    @staticmethod
     def _bound_cache(tails: _WorkerTails) -> None:
         while len(tails.decoded) > _DECODED_CACHE + 1:
             tails.decoded.popitem(last=False)
 
     def _gather(
         self, tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
-    ) -> tuple[EpisodeWindow, np.ndarray]:
-        """The finished episodes as read in place from the window (their cell-key columns and
+    ) -> _Part:
+        """The finished episodes as read in place from the ring (their cell-key columns and
         rewards); full arrays are fetched from the held chunks only for stored episodes.
 
         Episodes whose beginning was dropped under the tail cap are left out (kept[i]
@@ -517,10 +694,11 @@ class EpisodeFeeder:
             env, start, end = env[kept], start[kept], end[kept]
         lengths = end - start
         total = int(lengths.sum())
-        cap = tails.capacity
-        if tails.flagged is not None:
+        ring, rows = self._ring, env + tails.row
+        if ring.flagged is not None:
             bad = np.empty((1, total), dtype=bool)
-            bad = kernels.gather_ring(tails.flagged[None], env, start, lengths, cap, bad)[0]
+            bad = kernels.gather_ring(ring.flagged[None], rows, start, lengths, ring.capacity, bad)
+            bad = bad[0]
             if bad.any():
                 steps = np.repeat(start, lengths) + _positions(lengths)
                 t = int(steps[int(np.argmax(bad))])
@@ -546,7 +724,7 @@ class EpisodeFeeder:
             states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
             return EpisodeArrays(joined["action"], joined["reward"], states)
 
-        return EpisodeWindow(tails.columns, tails.rewards, env, start, lengths, fetch), kept
+        return _Part(rows, start, lengths, fetch, kept)
 
     @staticmethod
     def _decoded(tails: _WorkerTails, chunk: _Held) -> dict[str, np.ndarray]:
@@ -588,26 +766,26 @@ _KEY_TYPES = (np.int16, np.int32, np.int64)
 _RING_SOURCES = frozenset(np.dtype(t) for t in (np.int32, np.int64))
 
 
-def _ring_keys(tails: _WorkerTails, sources: list[tuple], t0: int) -> None:
-    """Key a chunk's steps into the window's ring (rows t0...), widening the ring's dtype
-    first when some key does not fit it."""
+def _ring_keys(ring: _Ring, rows: slice, sources: list[tuple], t0: int) -> None:
+    """Key a chunk's steps into a worker's rows of the ring (columns t0...), widening the
+    ring's dtype first when some key does not fit it."""
     while True:
         lows, highs = zip(
             *(
-                kernels.ring_keys(src, shift, bucket, tails.columns[j], t0, tails.capacity)
+                kernels.ring_keys(src, shift, bucket, ring.columns[j, rows], t0, ring.capacity)
                 for j, (src, shift, bucket) in enumerate(sources)
             ),
             strict=True,
         )
-        key_type = _key_type(tails, min(lows), max(highs))
-        if key_type == tails.columns.dtype:
+        key_type = _key_type(ring, min(lows), max(highs))
+        if key_type == ring.columns.dtype:
             return
-        tails.columns = tails.columns.astype(key_type)  # then this chunk again
+        ring.columns = ring.columns.astype(key_type)  # then this chunk again
 
 
-def _key_type(tails: _WorkerTails, low: int, high: int) -> type:
+def _key_type(ring: _Ring, low: int, high: int) -> type:
     """The narrowest window key dtype, no narrower than the current one, holding low..high."""
-    rank = 0 if tails.columns is None else _KEY_TYPES.index(tails.columns.dtype.type)
+    rank = 0 if ring.columns is None else _KEY_TYPES.index(ring.columns.dtype.type)
     while rank < len(_KEY_TYPES) - 1:
         info = np.iinfo(_KEY_TYPES[rank])
         if info.min <= low and high <= info.max:
@@ -616,22 +794,22 @@ def _key_type(tails: _WorkerTails, low: int, high: int) -> type:
     return _KEY_TYPES[rank]
 
 
-def _reward_type(tails: _WorkerTails, rewards: np.ndarray) -> type:
+def _reward_type(ring: _Ring, rewards: np.ndarray) -> type:
     """float32 while every reward so far is exactly a float32, else float64 (for good)."""
-    wide = tails.rewards is not None and tails.rewards.dtype == np.float64
+    wide = ring.rewards is not None and ring.rewards.dtype == np.float64
     return np.float64 if wide or rewards.dtype not in _FLOAT32_EXACT else np.float32
 
 
-def _window_types(tails: _WorkerTails, columns: np.ndarray, rewards: np.ndarray):
+def _window_types(ring: _Ring, columns: np.ndarray, rewards: np.ndarray):
     """The window's dtypes once this chunk is in: cell keys in the narrowest of int16 / int32
     / int64 that holds every key so far, rewards as float32 while every reward is exactly a
     float32 (else float64); never narrowed back. Keys on a grid usually fit int16, which
     quarters the keys' memory and the bytes the window writes and reads per step."""
-    key_type = _KEY_TYPES[0] if tails.columns is None else tails.columns.dtype.type
+    key_type = _KEY_TYPES[0] if ring.columns is None else ring.columns.dtype.type
     if key_type != _KEY_TYPES[-1] and columns.size:
         lows, highs = kernels.key_bounds(columns)
-        key_type = _key_type(tails, int(lows.min()), int(highs.max()))
-    return key_type, _reward_type(tails, rewards)
+        key_type = _key_type(ring, int(lows.min()), int(highs.max()))
+    return key_type, _reward_type(ring, rewards)
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:

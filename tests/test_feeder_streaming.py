@@ -49,8 +49,10 @@ def _chunks(
     num_envs: int,
     widen_from: int | None = None,
     key_shift: int = 3 << 33,
+    long_until: int = 1,
 ):
-    """Time-major chunks of a random walk, plus each chunk's finished (env, start, end).
+    """Time-major chunks of a random walk, plus each chunk's finished (env, start, end);
+    env 0's first episode lasts at least ``long_until`` chunks.
 
     With ``widen_from``, positions are int64 and rewards float64 throughout, and from that
     chunk on positions move by ``key_shift`` (beyond int16 keys; by default beyond int32)
@@ -67,7 +69,7 @@ def _chunks(
             pos += steps[t]
             positions[t, :, 0] = pos
         done = rng.random((length, num_envs)) < 0.08
-        if c == 0:
+        if c < long_until:
             done[:, 0] = False  # env 0 runs one long episode across chunks
         reward = rng.choice(np.array([0.0, 0.5, 1.0], np.float32), (length, num_envs))
         if widen_from is not None:
@@ -242,6 +244,85 @@ def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
     assert sa["counters"] == sb["counters"]
     for name, value in sa["arrays"].items():
         np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 100, None], ids=["1", "3", "all", "thread"])
+def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_turn(batch):
+    """A backlog of several workers' chunks is recorded in one store call (None: as the
+    feeder's thread batches whatever is queued). The store equals recording every chunk's
+    episodes in submission order, each at its chunk's step; a worker with more environments
+    joins late (the session's ring gains rows) and one chunk with a non-finite reward is
+    refused alone, as it would be if recorded on its own. Long first episodes make the ring
+    grow while several workers hold steps in it."""
+    length, sizes, count = 4, (8, 5, 40), 44
+    streams = [_chunks(20 + w, count, length, n, long_until=40) for w, n in enumerate(sizes)]
+    streams[1][4][1]["reward"][3, 2] = np.nan
+    order = []  # (worker, chunk index): workers 0 and 1 interleaved, worker 2 from chunk 6
+    for c in range(count):
+        order += [(0, c), (1, c)] + ([(2, c - 6)] if c >= 6 else [])
+    order += [(2, c) for c in range(count - 6, count)]
+    config = _config(1 << 30)
+
+    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    feeder = EpisodeFeeder("s", streamed, _Metrics())
+    items, steps_before = [], []
+    total = 0
+    for w, c in order:
+        t0, arrays, env, start, end = streams[w][c]
+        items.append(ChunkEpisodes(w, t0, arrays, env, start, end, total))
+        steps_before.append(total)
+        total += length * sizes[w]
+    try:
+        if batch is None:
+            for item in items:
+                feeder.submit(item)
+            assert feeder.drain(30)
+        else:
+            for i in range(0, len(items), batch):
+                feeder._process_batch(items[i : i + batch])
+        for tails in feeder._workers.values():  # nothing held that no open episode needs
+            assert tails.chunks[0].t0 + length > tails.open_start.min()
+    finally:
+        feeder.close()
+
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    wholes = [{k: np.concatenate([c[1][k] for c in s]) for k in s[0][1]} for s in streams]
+    refused = 0
+    for (w, c), step in zip(order, steps_before, strict=True):
+        whole = wholes[w]
+        _, _, env, start, end = streams[w][c]
+        episodes = [
+            EpisodeArrays(
+                actions=whole["action"][s:t, e],
+                rewards=whole["reward"][s:t, e],
+                states={
+                    "player_positions": whole["state:player_positions"][s:t, e],
+                    "player_inventory": whole["state:player_inventory"][s:t, e],
+                },
+            )
+            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
+        ]
+        try:
+            reference.record_episodes(episodes, None, step, outcomes=0)
+        except ValueError as exc:
+            assert "non-finite" in str(exc)
+            refused += 1
+    assert refused == 1
+
+    a, b = streamed.store, reference.store
+    sa, sb = a.checkpoint_state(), b.checkpoint_state()
+    assert sa["counters"] == sb["counters"]
+    for name, value in sa["arrays"].items():
+        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+    assert a.trajectory_ids() == b.trajectory_ids()
+    assert len(a.trajectory_ids()) > 10
+    for tid in a.trajectory_ids():
+        x, y = a.trajectory(tid), b.trajectory(tid)
+        np.testing.assert_array_equal(x.actions, y.actions)
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+        for k in y.states:
+            np.testing.assert_array_equal(x.states[k], y.states[k])
+    assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
 
 
 def test_session_recycles_decode_buffers_without_corrupting_stored_episodes():
