@@ -236,7 +236,7 @@ class EpisodeFeeder:
         *,
         queue_chunks: int = 32,
         max_tail_bytes: int = 256 << 20,
-        max_batch: int = 16,
+        max_batch: int = 32,
     ) -> None:
         self.session = session
         self.processor = processor

@@ -252,10 +252,8 @@ class Session:
         self.processor = TrajectoryCaptureProcessor(
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
-        # With a store, each queued chunk stays decoded until the feeder takes it: a shorter
-        # queue bounds that memory (the feeder sets the pace either way).
-        queue_chunks = 32 if config.capture is None else 8
-        self.feeder = EpisodeFeeder(name, self.processor, metrics, queue_chunks=queue_chunks)
+        # With a store, the chunks queued behind the feeder are recorded in one store call.
+        self.feeder = EpisodeFeeder(name, self.processor, metrics, queue_chunks=32)
         # Appends a log record before a change is acknowledged; None without a log.
         self.journal: Callable[[bytes], None] | None = None
         self._clear()
