@@ -51,14 +51,12 @@ class ChunkEpisodes:
 
 class Slab:
     """A chunk's cell keys (F, N, T) in its states' integer dtype, their overall min and
-    max, and its rewards (N, T): env-major, as the store path's ring holds them. ``dtypes``:
-    the sent dtype of each integer array that the chunk's arrays now hold narrower."""
+    max, and its rewards (N, T): env-major, as the store path's ring holds them."""
 
-    __slots__ = ("keys", "low", "high", "rewards", "dtypes")
+    __slots__ = ("keys", "low", "high", "rewards")
 
-    def __init__(self, keys, low: int, high: int, rewards, dtypes: dict[str, np.dtype]) -> None:
+    def __init__(self, keys: np.ndarray, low: int, high: int, rewards: np.ndarray) -> None:
         self.keys, self.low, self.high, self.rewards = keys, low, high, rewards
-        self.dtypes = dtypes
 
 
 # Decoded chunks a worker keeps besides the newest, for fetching stored episodes.
@@ -121,17 +119,15 @@ class BufferPool:
 class _Held:
     """One chunk kept for the store path: decoded arrays or the encoded StoredChunk."""
 
-    __slots__ = ("t0", "length", "arrays", "encoded", "nbytes", "error", "dtypes")
+    __slots__ = ("t0", "length", "arrays", "encoded", "nbytes", "error")
 
-    def __init__(self, t0: int, length: int, arrays, encoded, nbytes: int, dtypes=None) -> None:
+    def __init__(self, t0: int, length: int, arrays, encoded, nbytes: int) -> None:
         self.t0 = t0
         self.length = length
         self.arrays: dict[str, np.ndarray] | None = arrays
         self.encoded: dict | None = encoded
         self.nbytes = nbytes
         self.error: ValueError | None = None  # raised for episodes using flagged steps
-        # The sent dtype of each array kept narrower (fetched episodes are in the sent one).
-        self.dtypes: dict[str, np.dtype] = dtypes or {}
 
 
 @dataclass
@@ -564,12 +560,7 @@ class EpisodeFeeder:
     def slab(self, arrays: dict[str, np.ndarray]) -> Slab | None:
         """A decoded chunk's Slab, made on the calling (decoding) thread so that the feeder's
         thread, the store path's one serial stage, only copies it into its ring. None
-        without a store or when some cell field takes the general path.
-
-        Also replaces, in ``arrays``, the action and state arrays whose integer values fit a
-        narrower dtype by such a copy (handing the decode buffers back to the pool): the
-        store path keeps tens of chunks per worker for the episodes it stores, and a
-        smaller copy is fewer fresh pages while that window grows."""
+        without a store or when some cell field takes the general path."""
         if not self.keeps_arrays:
             return None
         sources = self._key_sources(arrays)
@@ -587,18 +578,7 @@ class EpisodeFeeder:
         ]
         env_rewards = self.buffers.take((num_envs, length), rewards.dtype)
         env_rewards[...] = rewards.T
-        dtypes = {}
-        for name in [k for k in arrays if k == "action" or k.startswith("state:")]:
-            narrow = _narrow_type(arrays[name])
-            if narrow is not None:
-                copy = self.buffers.take(arrays[name].shape, narrow)
-                np.copyto(copy, arrays[name], casting="unsafe")
-                dtypes[name] = arrays[name].dtype
-                # The dict's reference is the decode buffer's last one: it goes to the pool.
-                self.buffers.give_all({name: arrays.pop(name)})
-                arrays[name] = copy
-        low, high = min(b[0] for b in bounds), max(b[1] for b in bounds)
-        return Slab(keys, low, high, env_rewards, dtypes)
+        return Slab(keys, min(b[0] for b in bounds), max(b[1] for b in bounds), env_rewards)
 
     def _hold(
         self,
@@ -610,11 +590,10 @@ class EpisodeFeeder:
     ) -> None:
         """Keep a chunk for the store path (encoded when the session's copy is given) and add
         its steps' cell-key columns and rewards to the worker's window."""
-        dtypes = None if slab is None else slab.dtypes
         if stored is not None:
             encoded = {k: a for k, a in stored.arrays.items() if k not in ("done", "outcome")}
             nbytes = sum(a.nbytes for a in encoded.values())
-            held = _Held(t0, stored.length, None, encoded, nbytes, dtypes)
+            held = _Held(t0, stored.length, None, encoded, nbytes)
             if arrays is None:  # restoring: decode just what the window needs
                 arrays = {
                     k: a.decode()
@@ -626,8 +605,9 @@ class EpisodeFeeder:
                 self._bound_cache(tails)
         else:
             kept = {k: a for k, a in arrays.items() if k not in ("done", "outcome")}
-            nbytes = sum(a.nbytes for a in kept.values())
-            held = _Held(t0, kept["reward"].shape[0], kept, None, nbytes, dtypes)
+            held = _Held(
+                t0, kept["reward"].shape[0], kept, None, sum(a.nbytes for a in kept.values())
+            )
         tails.chunks.append(held)
         tails.held_bytes += held.nbytes
         ring = self._ring
@@ -780,25 +760,19 @@ class EpisodeFeeder:
 
         def fetch(i: int) -> EpisodeArrays:
             e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
-            out: dict[str, np.ndarray] = {}
-            covered = 0
+            pieces: dict[str, list[np.ndarray]] = {}
             for chunk in held:
                 if chunk.t0 >= t or chunk.t0 + chunk.length <= s:
                     continue
                 arrays = self._decoded(tails, chunk)
                 lo, hi = max(s, chunk.t0) - chunk.t0, min(t, chunk.t0 + chunk.length) - chunk.t0
-                at = chunk.t0 + lo - s
                 for k, a in arrays.items():
-                    dst = out.get(k)
-                    if dst is None:
-                        dtype = chunk.dtypes.get(k, a.dtype)
-                        dst = out[k] = np.empty((t - s, *a.shape[2:]), dtype=dtype)
-                    dst[at : at + hi - lo] = a[lo:hi, e]
-                covered += hi - lo
-            if covered != t - s:
-                raise ValueError(f"episode {i}: held chunks cover {covered} of {t - s} steps")
-            states = {k[6:]: v for k, v in out.items() if k.startswith("state:")}
-            return EpisodeArrays(out["action"], out["reward"], states)
+                    pieces.setdefault(k, []).append(a[lo:hi, e])
+            joined = {
+                k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()
+            }
+            states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
+            return EpisodeArrays(joined["action"], joined["reward"], states)
 
         return _Part(rows, start, lengths, fetch, kept)
 
@@ -886,24 +860,6 @@ def _window_types(ring: _Ring, columns: np.ndarray, rewards: np.ndarray):
         lows, highs = kernels.key_bounds(columns)
         key_type = _key_type(ring, int(lows.min()), int(highs.max()))
     return key_type, _reward_type(ring, rewards)
-
-
-def _narrow_type(arr: np.ndarray) -> np.dtype | None:
-    """The narrowest integer dtype holding every value of an integer ``arr`` when narrower
-    than its own, else None."""
-    if arr.dtype.kind not in "iu" or arr.itemsize == 1 or not arr.size:
-        return None
-    low, high = int(arr.min()), int(arr.max())
-    for t in _NARROW_TYPES:
-        if t.itemsize >= arr.itemsize:
-            return None
-        info = np.iinfo(t)
-        if info.min <= low and high <= info.max:
-            return t
-    return None
-
-
-_NARROW_TYPES = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32))
 
 
 def _positions(lengths: np.ndarray) -> np.ndarray:

