@@ -52,12 +52,7 @@ def run(chunks, capture, feeder_cls, encoded: bool, profile: bool, batch: int = 
     f = feeder_cls("b", s.processor, s.metrics)
     f.close()
     items = []
-    queue = {
-        "submit": staticmethod(items.append),
-        "close": lambda self: None,
-        "alloc": f.alloc,
-        "slab": staticmethod(f.slab),  # made in Session.apply, outside the timed part
-    }
+    queue = {"submit": staticmethod(items.append), "close": lambda self: None, "alloc": f.alloc}
     s.feeder = type("Q", (), queue)()
     for name, ch in chunks:
         s.apply(name, ch, 1 << 31)

@@ -44,19 +44,6 @@ class ChunkEpisodes:
     # The chunk as the session holds it (encoded); when given, the store path keeps this
     # instead of the decoded arrays and decodes on demand, for the few episodes it stores.
     stored: StoredChunk | None = None
-    # Its cell keys and rewards laid out as the store path's ring holds them, made by the
-    # thread that decoded it (EpisodeFeeder.slab): the feeder then only copies them in.
-    slab: Slab | None = None
-
-
-class Slab:
-    """A chunk's cell keys (F, N, T) in its states' integer dtype, their overall min and
-    max, and its rewards (N, T): env-major, as the store path's ring holds them."""
-
-    __slots__ = ("keys", "low", "high", "rewards")
-
-    def __init__(self, keys: np.ndarray, low: int, high: int, rewards: np.ndarray) -> None:
-        self.keys, self.low, self.high, self.rewards = keys, low, high, rewards
 
 
 # Decoded chunks a worker keeps besides the newest, for fetching stored episodes.
@@ -429,8 +416,7 @@ class EpisodeFeeder:
         lengths = end - start
         part = None
         if self.keeps_arrays:
-            self._hold(tails, t0, item.arrays, item.stored, item.slab)
-            item.slab = None
+            self._hold(tails, t0, item.arrays, item.stored)
             part = self._gather(tails, env, start, end)
             truncated = int(env.size - part.kept.sum())
             if truncated:
@@ -557,36 +543,12 @@ class EpisodeFeeder:
                 out[i] = tails.open_code[env[i]]
         return out
 
-    def slab(self, arrays: dict[str, np.ndarray]) -> Slab | None:
-        """A decoded chunk's Slab, made on the calling (decoding) thread so that the feeder's
-        thread, the store path's one serial stage, only copies it into its ring. None
-        without a store or when some cell field takes the general path."""
-        if not self.keeps_arrays:
-            return None
-        sources = self._key_sources(arrays)
-        rewards = arrays.get("reward")
-        if sources is None or rewards is None or rewards.ndim != 2:
-            return None
-        length, num_envs = rewards.shape
-        if not length or any(src.shape != rewards.shape for src, _, _ in sources):
-            return None
-        dtype = np.result_type(*(src.dtype for src, _, _ in sources))
-        keys = self.buffers.take((len(sources), num_envs, length), dtype)
-        bounds = [
-            kernels.ring_keys(src, shift, bucket, keys[j], 0, length)
-            for j, (src, shift, bucket) in enumerate(sources)
-        ]
-        env_rewards = self.buffers.take((num_envs, length), rewards.dtype)
-        env_rewards[...] = rewards.T
-        return Slab(keys, min(b[0] for b in bounds), max(b[1] for b in bounds), env_rewards)
-
     def _hold(
         self,
         tails: _WorkerTails,
         t0: int,
         arrays: dict[str, np.ndarray] | None,
         stored: StoredChunk | None,
-        slab: Slab | None = None,
     ) -> None:
         """Keep a chunk for the store path (encoded when the session's copy is given) and add
         its steps' cell-key columns and rewards to the worker's window."""
@@ -612,22 +574,16 @@ class EpisodeFeeder:
         tails.held_bytes += held.nbytes
         ring = self._ring
         length, num_envs = held.length, tails.num_envs
-        columns = flagged = sources = None
-        if slab is not None:
-            env_rewards = slab.rewards
-            col_type = _key_type(ring, slab.low, slab.high)
-            rew_type = _reward_type(ring, env_rewards)
+        sources = self._key_sources(arrays)
+        if sources is None:
+            columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
+            col_type, rew_type = _window_types(ring, columns, rewards)
         else:
-            sources = self._key_sources(arrays)
-            if sources is None:
-                columns, rewards, flagged = self._chunk_columns(held, arrays, length, num_envs)
-                col_type, rew_type = _window_types(ring, columns, rewards)
-            else:
-                # Every cell field is an integer state: keyed straight into the ring below.
-                rewards = np.asarray(arrays["reward"])
-                col_type = _KEY_TYPES[0] if ring.columns is None else ring.columns.dtype.type
-                rew_type = _reward_type(ring, rewards)
-            env_rewards = rewards.T
+            # Every cell field is an integer state: keyed straight into the ring below.
+            columns = flagged = None
+            rewards = np.asarray(arrays["reward"])
+            col_type = _KEY_TYPES[0] if ring.columns is None else ring.columns.dtype.type
+            rew_type = _reward_type(ring, rewards)
         width = len(self.processor.store.configuration.cell_fields)
         span = t0 + length - tails.chunks[0].t0
         if span > ring.capacity:
@@ -638,12 +594,11 @@ class EpisodeFeeder:
             if ring.rewards.dtype != rew_type:
                 ring.rewards = ring.rewards.astype(rew_type)
         cap, rows = ring.capacity, tails.rows
-        if slab is not None:
-            columns = slab.keys
-        elif columns is not None:
+        if columns is not None:
             columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
         else:
             _ring_keys(ring, rows, sources, t0)
+        rewards = rewards.T
         if flagged is not None:
             flagged = flagged.reshape(length, num_envs).T
             if ring.flagged is None:
@@ -651,17 +606,12 @@ class EpisodeFeeder:
         for t, a, b in _ring_pieces(t0, t0 + length, cap):
             if columns is not None:
                 ring.columns[:, rows, a:b] = columns[:, :, t - t0 : t - t0 + b - a]
-            ring.rewards[rows, a:b] = env_rewards[:, t - t0 : t - t0 + b - a]
+            ring.rewards[rows, a:b] = rewards[:, t - t0 : t - t0 + b - a]
             if ring.flagged is not None:
                 ring.flagged[rows, a:b] = (
                     False if flagged is None else flagged[:, t - t0 : t - t0 + b - a]
                 )
         tails.end = t0 + length
-        if slab is not None:
-            # Copied in: its buffers go back to the pool for the next chunks' slabs.
-            spent = {"keys": slab.keys, "rewards": slab.rewards}
-            slab.keys = slab.rewards = columns = env_rewards = None
-            self.buffers.give_all(spent)
 
     def _key_sources(self, arrays: dict[str, np.ndarray]) -> list[tuple] | None:
         """Per cell field, its (T, N) integer state column and (shift, bucket) for

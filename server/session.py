@@ -339,8 +339,6 @@ class Session:
             if self.is_full:
                 return self._drop_full(timeline)
             decoded = decode_chunk(chunk, self.config, max_raw, self.feeder.alloc)
-            # Here, in parallel across workers, not on the feeder's one thread.
-            slab = self.feeder.slab(decoded.arrays)
             with self.lock:
                 if self.is_full:
                     return self._drop_full(timeline)
@@ -375,9 +373,7 @@ class Session:
                 self.env_steps += decoded.length * decoded.num_envs
                 # Under the session lock so the feeder sees chunks in apply order.
                 self.feeder.submit(
-                    ChunkEpisodes(
-                        timeline.index, t0, decoded.arrays, env, start, end, steps_before, slab=slab
-                    )
+                    ChunkEpisodes(timeline.index, t0, decoded.arrays, env, start, end, steps_before)
                 )
             raw = sum(a.nbytes for a in decoded.encoded.values())
             labels = {"session": self.name}

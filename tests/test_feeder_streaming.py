@@ -111,13 +111,12 @@ def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
     return StoredChunk(t0, arrays["reward"].shape[0], encoded, 0)
 
 
-@pytest.mark.parametrize("slabs", [False, True], ids=["", "slabs"])
 @pytest.mark.parametrize("encoded", [False, True])
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
 @pytest.mark.parametrize(
     "widen_from, key_shift", [(None, 0), (5, 3 << 33), (5, 1 << 20)], ids=["narrow", "64", "32"]
 )
-def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, key_shift, slabs):
+def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, key_shift):
     length, num_envs = 16, 8
     chunks = _chunks(3, 14, length, num_envs, widen_from, key_shift)
     config = _config(capacity)
@@ -128,8 +127,7 @@ def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, 
         for i, (t0, arrays, env, start, end) in enumerate(chunks):
             stored = _stored(t0, arrays) if encoded else None
             steps = i * length * num_envs
-            slab = feeder.slab(arrays) if slabs else None
-            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps, stored, slab))
+            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps, stored))
         assert feeder.drain(30)
     finally:
         feeder.close()
@@ -248,14 +246,12 @@ def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
         np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
 
 
-@pytest.mark.parametrize("slabs", [False, True], ids=["", "slabs"])
 @pytest.mark.parametrize("batch", [1, 3, 100, None], ids=["1", "3", "all", "thread"])
-def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_turn(batch, slabs):
+def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_turn(batch):
     """A backlog of several workers' chunks is recorded in one store call (None: as the
     feeder's thread batches whatever is queued). The store equals recording every chunk's
     episodes in submission order, each at its chunk's step; a worker with more environments
-    joins late (the session's ring gains rows; with ``slabs``, the chunks' keys and rewards
-    come laid out by the decoding side) and one chunk with a non-finite reward is
+    joins late (the session's ring gains rows) and one chunk with a non-finite reward is
     refused alone, as it would be if recorded on its own. Long first episodes make the ring
     grow while several workers hold steps in it."""
     length, sizes, count = 4, (8, 5, 40), 44
@@ -273,8 +269,7 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     total = 0
     for w, c in order:
         t0, arrays, env, start, end = streams[w][c]
-        slab = feeder.slab(arrays) if slabs else None
-        items.append(ChunkEpisodes(w, t0, arrays, env, start, end, total, slab=slab))
+        items.append(ChunkEpisodes(w, t0, arrays, env, start, end, total))
         steps_before.append(total)
         total += length * sizes[w]
     try:
