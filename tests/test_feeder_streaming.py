@@ -103,6 +103,41 @@ def _chunks(
     return out
 
 
+def _episodes(whole: dict[str, np.ndarray], env, start, end) -> list[EpisodeArrays]:
+    """The episodes (env, start, end) cut from a worker's concatenated chunks."""
+    return [
+        EpisodeArrays(
+            actions=whole["action"][s:t, e],
+            rewards=whole["reward"][s:t, e],
+            states={
+                "player_positions": whole["state:player_positions"][s:t, e],
+                "player_inventory": whole["state:player_inventory"][s:t, e],
+            },
+        )
+        for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
+    ]
+
+
+def _record_refusing_non_finite(reference, whole, env, start, end, step) -> int:
+    """Record one chunk's episodes directly; 1 if the batch was refused (non-finite), else 0."""
+    try:
+        reference.record_episodes(_episodes(whole, env, start, end), None, step, outcomes=0)
+    except ValueError as exc:
+        assert "non-finite" in str(exc)
+        return 1
+    return 0
+
+
+def _assert_same_trajectories(a, b) -> None:
+    """Every stored trajectory of store ``a`` equals that of store ``b`` (same ids)."""
+    for tid in a.trajectory_ids():
+        x, y = a.trajectory(tid), b.trajectory(tid)
+        np.testing.assert_array_equal(x.actions, y.actions)
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+        for k in y.states:
+            np.testing.assert_array_equal(x.states[k], y.states[k])
+
+
 def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
     encoded = {}
     for k, a in arrays.items():
@@ -157,12 +192,7 @@ def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, 
     )
     assert a.trajectory_ids() == b.trajectory_ids()
     assert a.trajectory_ids()  # something was stored
-    for tid in a.trajectory_ids():
-        x, y = a.trajectory(tid), b.trajectory(tid)
-        np.testing.assert_array_equal(x.actions, y.actions)
-        np.testing.assert_array_equal(x.rewards, y.rewards)
-        for k in y.states:
-            np.testing.assert_array_equal(x.states[k], y.states[k])
+    _assert_same_trajectories(a, b)
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
     if capacity < 1 << 20:
         assert state_a["counters"]["episodes"] > len(a.trajectory_ids())
@@ -221,24 +251,10 @@ def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
 
     reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
     whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
-    refused = 0
-    for i, (_, _, env, start, end) in enumerate(chunks):
-        episodes = [
-            EpisodeArrays(
-                actions=whole["action"][s:t, e],
-                rewards=whole["reward"][s:t, e],
-                states={
-                    "player_positions": whole["state:player_positions"][s:t, e],
-                    "player_inventory": whole["state:player_inventory"][s:t, e],
-                },
-            )
-            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
-        ]
-        try:
-            reference.record_episodes(episodes, None, i * length * num_envs, outcomes=0)
-        except ValueError as exc:
-            assert "non-finite" in str(exc)
-            refused += 1
+    refused = sum(
+        _record_refusing_non_finite(reference, whole, env, start, end, i * length * num_envs)
+        for i, (_, _, env, start, end) in enumerate(chunks)
+    )
     assert refused == 1
     sa, sb = streamed.store.checkpoint_state(), reference.store.checkpoint_state()
     assert sa["counters"] == sb["counters"]
@@ -287,26 +303,10 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
 
     reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
     wholes = [{k: np.concatenate([c[1][k] for c in s]) for k in s[0][1]} for s in streams]
-    refused = 0
-    for (w, c), step in zip(order, steps_before, strict=True):
-        whole = wholes[w]
-        _, _, env, start, end = streams[w][c]
-        episodes = [
-            EpisodeArrays(
-                actions=whole["action"][s:t, e],
-                rewards=whole["reward"][s:t, e],
-                states={
-                    "player_positions": whole["state:player_positions"][s:t, e],
-                    "player_inventory": whole["state:player_inventory"][s:t, e],
-                },
-            )
-            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
-        ]
-        try:
-            reference.record_episodes(episodes, None, step, outcomes=0)
-        except ValueError as exc:
-            assert "non-finite" in str(exc)
-            refused += 1
+    refused = sum(
+        _record_refusing_non_finite(reference, wholes[w], *streams[w][c][2:], step)
+        for (w, c), step in zip(order, steps_before, strict=True)
+    )
     assert refused == 1
 
     a, b = streamed.store, reference.store
@@ -316,12 +316,7 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
         np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
     assert a.trajectory_ids() == b.trajectory_ids()
     assert len(a.trajectory_ids()) > 10
-    for tid in a.trajectory_ids():
-        x, y = a.trajectory(tid), b.trajectory(tid)
-        np.testing.assert_array_equal(x.actions, y.actions)
-        np.testing.assert_array_equal(x.rewards, y.rewards)
-        for k in y.states:
-            np.testing.assert_array_equal(x.states[k], y.states[k])
+    _assert_same_trajectories(a, b)
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
 
 
@@ -376,12 +371,7 @@ def test_session_recycles_decode_buffers_without_corrupting_stored_episodes():
         a, b = streamed.store, reference.store
         assert a.trajectory_ids() == b.trajectory_ids()
         assert a.trajectory_ids()
-        for tid in a.trajectory_ids():
-            x, y = a.trajectory(tid), b.trajectory(tid)
-            np.testing.assert_array_equal(x.actions, y.actions)
-            np.testing.assert_array_equal(x.rewards, y.rewards)
-            for k in y.states:
-                np.testing.assert_array_equal(x.states[k], y.states[k])
+        _assert_same_trajectories(a, b)
         sa, sb = a.checkpoint_state(), b.checkpoint_state()
         for name, value in sa["arrays"].items():
             np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
