@@ -205,14 +205,14 @@ class _Ring:
         for tails in workers:
             if not old_cap or not tails.chunks or tails.chunks[0].t0 >= tails.end:
                 continue
-            rows = tails.rows
+            block = tails.rows
             for t, a, b in _ring_pieces(tails.chunks[0].t0, tails.end, old_cap):
                 for u, c, d in _ring_pieces(t, t + b - a, cap):
                     src = slice(a + u - t, a + u - t + d - c)
-                    columns[:, rows, c:d] = self.columns[:, rows, src]
-                    rewards[rows, c:d] = self.rewards[rows, src]
+                    columns[:, block, c:d] = self.columns[:, block, src]
+                    rewards[block, c:d] = self.rewards[block, src]
                     if flagged is not None:
-                        flagged[rows, c:d] = self.flagged[rows, src]
+                        flagged[block, c:d] = self.flagged[block, src]
         self.capacity, self.columns, self.rewards, self.flagged = cap, columns, rewards, flagged
 
 
