@@ -4,7 +4,7 @@ Usage: .venv/bin/python bench/store_ingest_profile.py [--workers 4] [--chunks 80
                                                        [--encoded] [--profile] [--batch K]
 Runs Session.apply over each worker's chunks (T=128, N=256; the workers' chunks interleaved
 and seeded as in the ingest row) with the feeder's queue intercepted, then times
-EpisodeFeeder._process per chunk (best of 3 passes over fresh sessions); `--batch K` hands
+EpisodeFeeder._process_batch per chunk (best of 3 passes over fresh sessions); `--batch K` hands
 the feeder K chunks at a time, as its thread does when that many are queued.
 """
 
@@ -65,10 +65,7 @@ def run(chunks, capture, feeder_cls, encoded: bool, profile: bool, batch: int = 
     if pr:
         pr.enable()
     for i in range(0, len(items), batch):
-        if batch == 1:
-            f._process(items[i])
-        else:
-            f._process_batch(items[i : i + batch])
+        f._process_batch(items[i : i + batch])
     if pr:
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(20)

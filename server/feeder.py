@@ -359,9 +359,6 @@ class EpisodeFeeder:
             self._workers[worker] = tails
         return tails
 
-    def _process(self, item: ChunkEpisodes) -> None:
-        self._process_batch([item])
-
     def _process_batch(self, items: list[ChunkEpisodes]) -> None:
         """Chunks in submission order: each chunk's episodes are found and its open tails
         advanced, then all of them are recorded (with a store: in one call when every chunk's
