@@ -4,6 +4,8 @@
 
 Modes:
   remote  RolloutRecorder into a `rollout-recorder serve` process; done = flush() returned
+          (with a trajectory store: and a store call answered, which waits until the store
+          has recorded every acknowledged chunk)
   ray     a Ray actor wrapping the in-process factoriax recorder; done = every ref resolved
   raw     a generic gRPC bytes stream of the same uncompressed bytes; done = every ack read
 
@@ -96,12 +98,18 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
         lat.append(time.perf_counter_ns() - t0)
     submitted = time.perf_counter_ns()
     rec.flush()
+    acked = time.perf_counter_ns()
+    if capture is not None:
+        # Acks do not wait for the store: a store call waits until every acknowledged chunk
+        # is recorded, so the store's whole work is inside the timed run.
+        rec.capture.snapshot_potential(capture.utilities[0].name, ["x", "y"])
     end = time.perf_counter_ns()
     cpu = cpu_s() - cpu0
     stats = rec._sender.stats
     out = {
         "start_ns": start,
         "submitted_ns": submitted,
+        "acked_ns": acked,
         "end_ns": end,
         "chunks": spec["chunks"],
         "raw_bytes": stats.raw_bytes,
