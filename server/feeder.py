@@ -106,7 +106,7 @@ class BufferPool:
 class _Held:
     """One chunk kept for the store path: decoded arrays or the encoded StoredChunk."""
 
-    __slots__ = ("t0", "length", "arrays", "encoded", "nbytes", "error")
+    __slots__ = ("t0", "length", "arrays", "encoded", "nbytes", "error", "columns")
 
     def __init__(self, t0: int, length: int, arrays, encoded, nbytes: int) -> None:
         self.t0 = t0
@@ -115,6 +115,17 @@ class _Held:
         self.encoded: dict | None = encoded
         self.nbytes = nbytes
         self.error: ValueError | None = None  # raised for episodes using flagged steps
+        # None: arrays hold every environment; else env -> its column in arrays (-1: dropped,
+        # no open episode needs this chunk), see EpisodeFeeder._compact.
+        self.columns: np.ndarray | None = None
+
+    def column(self, env: int) -> int:
+        if self.columns is None:
+            return env
+        col = int(self.columns[env])
+        if col < 0:
+            raise RuntimeError(f"held chunk at t={self.t0}: environment {env} was dropped")
+        return col
 
 
 @dataclass
@@ -414,6 +425,9 @@ class EpisodeFeeder:
         part = None
         if self.keeps_arrays:
             self._hold(tails, t0, item.arrays, item.stored)
+            # The held chunk owns the arrays now: nothing else may keep its buffers from
+            # going back to the pool.
+            item.arrays = {}
             part = self._gather(tails, env, start, end)
             truncated = int(env.size - part.kept.sum())
             if truncated:
@@ -713,8 +727,9 @@ class EpisodeFeeder:
                     continue
                 arrays = self._decoded(tails, chunk)
                 lo, hi = max(s, chunk.t0) - chunk.t0, min(t, chunk.t0 + chunk.length) - chunk.t0
+                col = chunk.column(e)
                 for k, a in arrays.items():
-                    pieces.setdefault(k, []).append(a[lo:hi, e])
+                    pieces.setdefault(k, []).append(a[lo:hi, col])
             joined = {
                 k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()
             }
@@ -746,9 +761,36 @@ class EpisodeFeeder:
             tails.chunks.popleft()
             tails.held_bytes -= chunk.nbytes
             tails.decoded.pop(chunk.t0, None)
-            if chunk.arrays is not None and self.buffers is not None:
+            if chunk.arrays is not None and chunk.columns is None and self.buffers is not None:
                 arrays, chunk.arrays = chunk.arrays, None
                 self.buffers.give_all(arrays)
+        self._compact(tails)
+
+    def _compact(self, tails: _WorkerTails) -> None:
+        """Keep of each held chunk only the environments whose open episode reaches back into
+        it, once that is at most half of what it holds. An open episode is older than a few
+        chunks in only some environments, so a chunk's whole arrays are needed only while it
+        is recent: this returns its decode buffers to the pool for the next chunks (fresh
+        buffers are page-faulted in) and keeps the held window to about the steps that open
+        episodes still need. Each step is copied a few times at most (the kept part halves)."""
+        open_start = tails.open_start
+        for chunk in tails.chunks:
+            if chunk.arrays is None:
+                continue
+            need = np.flatnonzero(open_start < chunk.t0 + chunk.length)
+            held = chunk.arrays["reward"].shape[1]
+            if 8 * need.size > held:
+                continue
+            source = need if chunk.columns is None else chunk.columns[need]
+            kept = {k: a.take(source, axis=1) for k, a in chunk.arrays.items()}
+            columns = np.full(tails.num_envs, -1, dtype=np.int64)
+            columns[need] = np.arange(need.size)
+            whole, chunk.arrays, chunk.columns = chunk.arrays, kept, columns
+            nbytes = sum(a.nbytes for a in kept.values())
+            tails.held_bytes += nbytes - chunk.nbytes
+            chunk.nbytes = nbytes
+            if held == tails.num_envs and self.buffers is not None:
+                self.buffers.give_all(whole)
 
 
 # Reward dtypes whose every value float32 holds exactly (the window stores those as float32).

@@ -296,8 +296,15 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
         else:
             for i in range(0, len(items), batch):
                 feeder._process_batch(items[i : i + batch])
+        compacted = 0
         for tails in feeder._workers.values():  # nothing held that no open episode needs
             assert tails.chunks[0].t0 + length > tails.open_start.min()
+            for chunk in tails.chunks:
+                # An old chunk keeps only about the environments whose open episode needs it.
+                need = np.count_nonzero(tails.open_start < chunk.t0 + length)
+                assert chunk.arrays["reward"].shape[1] < 8 * need
+                compacted += chunk.columns is not None
+        assert compacted
     finally:
         feeder.close()
 
