@@ -206,7 +206,7 @@ class _Ring:
         """Reallocate for at least ``span`` steps, keeping every worker's held steps."""
         old_cap = self.capacity
         # Episodes span many chunks: start roomy so warm-up does not regrow and copy often.
-        cap = max(span, 2 * old_cap, 32 * length, 1)
+        cap = max(span, 2 * old_cap, 64 * length, 1)
         # Rows for workers joining later; rows never written are never faulted in.
         rows = max(self.rows, 0 if self.rewards is None else self.rewards.shape[0], 4 * self.rows)
         # Uninitialised: every step is written before it is read.
