@@ -239,6 +239,12 @@ def aggregate(
         "wire_bytes": sum(wires) if all(w is not None for w in wires) else None,
         "wall_s": wall,
         "go_to_first_record_ms": (start - go_ns) / 1e6,
+        # Until the last ack; with a store, the wall also waits for the store to catch up.
+        "acked_wall_s": (
+            (max(r["acked_ns"] for r in results) - start) / 1e9
+            if all("acked_ns" in r for r in results)
+            else None
+        ),
         "raw_mb_s": raw / MB / wall,
         "env_steps_s": steps / wall,
         "client_cpu_s": sum(r["cpu_s"] for r in results),
