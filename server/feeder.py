@@ -768,11 +768,12 @@ class EpisodeFeeder:
 
     def _compact(self, tails: _WorkerTails) -> None:
         """Keep of each held chunk only the environments whose open episode reaches back into
-        it, once that is at most half of what it holds. An open episode is older than a few
+        it, once that is at most an eighth of what it holds. An open episode is older than a few
         chunks in only some environments, so a chunk's whole arrays are needed only while it
         is recent: this returns its decode buffers to the pool for the next chunks (fresh
         buffers are page-faulted in) and keeps the held window to about the steps that open
-        episodes still need. Each step is copied a few times at most (the kept part halves)."""
+        episodes still need. A chunk is copied once at most 1/8 of it is needed, and again
+        only when that part is down to an eighth, so copies add up to ~1/7 of a chunk."""
         open_start = tails.open_start
         for chunk in tails.chunks:
             if chunk.arrays is None:
@@ -781,16 +782,17 @@ class EpisodeFeeder:
             held = chunk.arrays["reward"].shape[1]
             if 8 * need.size > held:
                 continue
-            source = need if chunk.columns is None else chunk.columns[need]
+            whole = chunk.columns is None
+            source = need if whole else chunk.columns[need]
             kept = {k: a.take(source, axis=1) for k, a in chunk.arrays.items()}
             columns = np.full(tails.num_envs, -1, dtype=np.int64)
             columns[need] = np.arange(need.size)
-            whole, chunk.arrays, chunk.columns = chunk.arrays, kept, columns
+            released, chunk.arrays, chunk.columns = chunk.arrays, kept, columns
             nbytes = sum(a.nbytes for a in kept.values())
             tails.held_bytes += nbytes - chunk.nbytes
             chunk.nbytes = nbytes
-            if held == tails.num_envs and self.buffers is not None:
-                self.buffers.give_all(whole)
+            if whole and self.buffers is not None:
+                self.buffers.give_all(released)
 
 
 # Reward dtypes whose every value float32 holds exactly (the window stores those as float32).
