@@ -89,9 +89,11 @@ def one_run(
         for t, (c, f) in after.items()
     }
     busy = sorted((v for v in used.values() if v[0] >= 0.01), reverse=True)
+    acked_ns = max(r["acked_ns"] for r in results) - go_ns
     return (
         f"store {'on ' if capture else 'off'}: {raw / wall_ns * 1e3:6.0f} MB/s, wall "
-        f"{wall_ns / 1e9:.2f} s (last ack at {(max(r['acked_ns'] for r in results) - go_ns) / 1e9:.2f} s), server CPU {sum(c for c, _ in used.values()):.2f} s, threads "
+        f"{wall_ns / 1e9:.2f} s (last ack at {acked_ns / 1e9:.2f} s), server CPU "
+        f"{sum(c for c, _ in used.values()):.2f} s, threads "
         f"[{', '.join(f'{c:.2f}' for c, _ in busy)}] s, their page faults per chunk "
         f"[{', '.join(f'{f / chunks:.0f}' for _, f in busy)}], "
         f"{(faults1 - faults0) / chunks:.0f} page faults per chunk; machine "

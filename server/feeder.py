@@ -4,7 +4,8 @@ Every finished episode reaches the capture processor (`record_episode`) and the
 metrics, whether or not a trajectory store is configured. Without a store only
 lengths, returns and outcomes are needed, computed per chunk with numpy; with a
 store the episode's arrays are gathered from the recent decoded chunks of its
-worker (kept while some environment's open episode still needs them). With a store,
+worker (kept while some environment's open episode still needs them; an old chunk keeps
+only those environments' columns). With a store,
 chunks that queued up meanwhile are recorded in one store call, in order: the store's
 fixed costs per call are then shared, which is what lets the feeder catch up.
 """
