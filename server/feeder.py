@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import mmap
 import queue
 import sys
 import threading
@@ -210,10 +211,9 @@ class _Ring:
         cap = max(span, 2 * old_cap, 64 * length, 1)
         # Rows for workers joining later; rows never written are never faulted in.
         rows = max(self.rows, 0 if self.rewards is None else self.rewards.shape[0], 4 * self.rows)
-        # Uninitialised: every step is written before it is read.
-        columns = np.empty((width, rows, cap), dtype=col_type)
-        rewards = np.empty((rows, cap), dtype=rew_type)
-        flagged = None if self.flagged is None else np.zeros((rows, cap), dtype=bool)
+        columns = _small_pages((width, rows, cap), col_type)
+        rewards = _small_pages((rows, cap), rew_type)
+        flagged = None if self.flagged is None else _small_pages((rows, cap), bool)
         for tails in workers:
             if not old_cap or not tails.chunks or tails.chunks[0].t0 >= tails.end:
                 continue
@@ -230,10 +230,33 @@ class _Ring:
 
 def _with_rows(arr: np.ndarray, rows: int, used: int) -> np.ndarray:
     """``arr`` (..., R, C) reallocated with ``rows`` rows, the first ``used`` copied (the
-    others uninitialised, or False for flags)."""
-    shape = (*arr.shape[:-2], rows, arr.shape[-1])
-    out = np.zeros(shape, dtype=bool) if arr.dtype == bool else np.empty(shape, dtype=arr.dtype)
+    others zero)."""
+    out = _small_pages((*arr.shape[:-2], rows, arr.shape[-1]), arr.dtype)
     out[..., :used, :] = arr[..., :used, :]
+    return out
+
+
+def _small_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array in memory the kernel does not back with huge pages (where it can be
+    told so). The ring takes a few hundred bytes per row per chunk across thousands of rows,
+    so huge pages save it nothing, while numpy asks for them for arrays of 4 MiB and up: each
+    first touch then zeroes 2 MiB, after compacting memory where it is fragmented. That took
+    the first store call of a fresh server 180 ms instead of 60, with every chunk waiting
+    behind it. Pages are faulted in, zeroed, only when first written."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    advice = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if nbytes == 0 or advice is None:
+        return np.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes)
+    region.madvise(advice)
+    return np.frombuffer(region, dtype=dtype).reshape(shape)
+
+
+def _widened(arr: np.ndarray, dtype) -> np.ndarray:
+    """``arr.astype(dtype)``, in memory from :func:`_small_pages`."""
+    out = _small_pages(arr.shape, dtype)
+    out[...] = arr
     return out
 
 
@@ -602,9 +625,9 @@ class EpisodeFeeder:
             ring.grow(self._workers.values(), span, width, length, col_type, rew_type)
         else:
             if ring.columns.dtype != col_type:
-                ring.columns = ring.columns.astype(col_type)
+                ring.columns = _widened(ring.columns, col_type)
             if ring.rewards.dtype != rew_type:
-                ring.rewards = ring.rewards.astype(rew_type)
+                ring.rewards = _widened(ring.rewards, rew_type)
         cap, rows = ring.capacity, tails.rows
         if columns is not None:
             columns = columns.reshape(width, length, num_envs).transpose(0, 2, 1)
@@ -822,7 +845,7 @@ def _ring_keys(ring: _Ring, rows: slice, sources: list[tuple], t0: int) -> None:
         key_type = _key_type(ring, min(lows), max(highs))
         if key_type == ring.columns.dtype:
             return
-        ring.columns = ring.columns.astype(key_type)  # then this chunk again
+        ring.columns = _widened(ring.columns, key_type)  # then this chunk again
 
 
 def _key_type(ring: _Ring, low: int, high: int) -> type:

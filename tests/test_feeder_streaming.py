@@ -3,6 +3,8 @@ fetched only for stored episodes) against recording each episode with record_epi
 
 from __future__ import annotations
 
+import mmap
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -409,3 +411,33 @@ def test_buffer_pool_when_full_keeps_the_shapes_in_use_and_drops_stale_ones():
         pool.give_all(batch)
     assert {k[1]: len(v) for k, v in pool._free.items()} == {(10, 10): 4}
     assert pool._bytes == 4 * 800
+
+
+def test_ring_memory_is_zeroed_and_kept_off_huge_pages():
+    """The ring's arrays (the size of the bench's: numpy would ask for huge pages) are
+    zeroed, writable and, where the kernel reports it, mapped with no-huge-pages advice."""
+    from recorder_server.feeder import _small_pages, _widened
+
+    ring = _small_pages((2, 1024, 2048), np.int16)
+    assert ring.shape == (2, 1024, 2048) and ring.dtype == np.int16
+    assert not ring.any() and ring.flags.writeable and ring.flags.c_contiguous
+    ring[1, 3, 5] = 7
+    wide = _widened(ring, np.int32)
+    assert wide.dtype == np.int32 and wide[1, 3, 5] == 7 and int(wide.sum()) == 7
+    assert _small_pages((0, 4), np.float32).shape == (0, 4)
+    smaps = Path("/proc/self/smaps")
+    if not hasattr(mmap, "MADV_NOHUGEPAGE") or not smaps.exists():
+        pytest.skip("no MADV_NOHUGEPAGE or /proc/self/smaps here")
+    flags = {}
+    start = None
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start = (lo, hi)
+        elif head == "VmFlags:" and start is not None:
+            flags[start] = line.split()[1:]
+    for arr in (ring, wide):
+        address = arr.ctypes.data
+        mapping = [f for (lo, hi), f in flags.items() if lo <= address < hi]
+        assert mapping and "nh" in mapping[0], mapping
