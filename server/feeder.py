@@ -241,8 +241,8 @@ def _small_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
     told so). The ring takes a few hundred bytes per row per chunk across thousands of rows,
     so huge pages save it nothing, while numpy asks for them for arrays of 4 MiB and up: each
     first touch then zeroes 2 MiB, after compacting memory where it is fragmented. That took
-    the first store call of a fresh server 180 ms instead of 60, with every chunk waiting
-    behind it. Pages are faulted in, zeroed, only when first written."""
+    a fresh process's first store call (20 bench chunks) 180 ms instead of 60, with every
+    chunk waiting behind it. Pages are faulted in, zeroed, only when first written."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     advice = getattr(mmap, "MADV_NOHUGEPAGE", None)

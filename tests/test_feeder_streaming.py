@@ -414,8 +414,8 @@ def test_buffer_pool_when_full_keeps_the_shapes_in_use_and_drops_stale_ones():
 
 
 def test_ring_memory_is_zeroed_and_kept_off_huge_pages():
-    """The ring's arrays (the size of the bench's: numpy would ask for huge pages) are
-    zeroed, writable and, where the kernel reports it, mapped with no-huge-pages advice."""
+    """Ring arrays (8 MiB: numpy alone would ask for huge pages) are zeroed, writable and,
+    where the kernel reports it, mapped with no-huge-pages advice."""
     from recorder_server.feeder import _small_pages, _widened
 
     ring = _small_pages((2, 1024, 2048), np.int16)
