@@ -249,7 +249,10 @@ def _small_pages(shape: tuple[int, ...], dtype) -> np.ndarray:
     if nbytes == 0 or advice is None:
         return np.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes)
-    region.madvise(advice)
+    try:
+        region.madvise(advice)
+    except OSError:  # a kernel without transparent huge pages refuses the advice
+        pass
     return np.frombuffer(region, dtype=dtype).reshape(shape)
 
 

@@ -441,3 +441,15 @@ def test_ring_memory_is_zeroed_and_kept_off_huge_pages():
         address = arr.ctypes.data
         mapping = [f for (lo, hi), f in flags.items() if lo <= address < hi]
         assert mapping and "nh" in mapping[0], mapping
+
+
+def test_ring_memory_when_the_kernel_refuses_the_advice(monkeypatch):
+    """A kernel without transparent huge pages answers MADV_NOHUGEPAGE with EINVAL: the ring
+    is still allocated, zeroed and usable (here an advice value every kernel refuses)."""
+    from recorder_server.feeder import _small_pages
+
+    monkeypatch.setattr(mmap, "MADV_NOHUGEPAGE", 12345, raising=False)
+    ring = _small_pages((3, 64, 128), np.float32)
+    assert ring.shape == (3, 64, 128) and not ring.any() and ring.flags.writeable
+    ring[2, 63, 127] = 1.5
+    assert float(ring.sum()) == 1.5
