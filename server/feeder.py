@@ -745,12 +745,16 @@ class EpisodeFeeder:
                         raise chunk.error
                 raise ValueError("states: a cell field could not be keyed")
         episodes = (env.tolist(), start.tolist(), end.tolist())
+        starts = [chunk.t0 for chunk in held]
 
         def fetch(i: int) -> EpisodeArrays:
             e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
             pieces: dict[str, list[np.ndarray]] = {}
-            for chunk in held:
-                if chunk.t0 >= t or chunk.t0 + chunk.length <= s:
+            # Only the chunks the episode spans (a worker holds tens, time-ordered).
+            for chunk in held[max(bisect.bisect_right(starts, s) - 1, 0) :]:
+                if chunk.t0 >= t:
+                    break
+                if chunk.t0 + chunk.length <= s:
                     continue
                 arrays = self._decoded(tails, chunk)
                 lo, hi = max(s, chunk.t0) - chunk.t0, min(t, chunk.t0 + chunk.length) - chunk.t0
