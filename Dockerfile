@@ -37,7 +37,7 @@ RUN pip install --no-cache-dir ".[server]"
 # The trajectory store's compiled loops (numba), built once here into a cache the server
 # user can read and extend, instead of at the first session with a store (~30 s).
 ENV NUMBA_CACHE_DIR=/var/cache/rollout-recorder/numba
-RUN python -m recorder_server.store.kernels \
+RUN python -m recorder_server.store \
     && chown -R recorder:recorder /var/cache/rollout-recorder
 WORKDIR /
 RUN rm -rf /build \

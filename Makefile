@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	# The store's compiled loops: built once (about half a minute), then found in numba's cache,
 	# before any test server needs them (the image build does the same).
-	$(PY) -m recorder_server.store.kernels
+	$(PY) -m recorder_server.store
 	$(PY) -m pytest
 
 lint: $(STAMP)

@@ -59,7 +59,7 @@ def _compile_all() -> None:
     try:
         # Fills numba's disk cache (a no-op but for its start-up when it is filled already).
         done = subprocess.run(
-            [sys.executable, "-m", __name__], capture_output=True, text=True, timeout=1800
+            [sys.executable, "-m", __package__], capture_output=True, text=True, timeout=1800
         )
         if done.returncode:
             logger.warning(
@@ -123,7 +123,3 @@ def _load_all() -> bool:
     return True
 
 
-if __name__ == "__main__":
-    # `python -m recorder_server.store.kernels`: fill numba's cache (the image build does).
-    logging.basicConfig()
-    raise SystemExit(0 if _load_all() else 1)
