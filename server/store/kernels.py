@@ -121,5 +121,3 @@ def _load_all() -> bool:
         logger.exception("trajectory store: compiling the store loops failed")
         return False
     return True
-
-
