@@ -3,9 +3,11 @@
 Every finished episode reaches the capture processor (`record_episode`) and the
 metrics, whether or not a trajectory store is configured. Without a store only
 lengths, returns and outcomes are needed, computed per chunk with numpy; with a
-store the episode's arrays are gathered from the recent decoded chunks of its
-worker (kept while some environment's open episode still needs them; an old chunk keeps
-only those environments' columns). With a store,
+store each step's cell keys and reward go into a window (the ring) read in place by the
+store, and the chunks some open episode still needs are held: as the session keeps them
+(encoded), the decode buffers then going straight back to the pool, and a stored episode
+read back from them only when first needed; or, given only decoded arrays, those arrays
+(an old chunk keeping only the columns of the environments that need it). With a store,
 chunks that queued up meanwhile are recorded in one store call, in order: the store's
 fixed costs per call are then shared, which is what lets the feeder catch up.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import math
 import mmap
 import queue
 import sys
@@ -28,6 +31,7 @@ from .capture import TrajectoryCaptureProcessor
 from .episodes import StoredChunk
 from .store import EpisodeArrays, EpisodeBatch, EpisodeWindow, kernels
 from .store.cells import _ALIASES
+from .store.repository import blob_bound
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +42,17 @@ class ChunkEpisodes:
 
     worker: int
     t0: int
-    arrays: dict[str, np.ndarray]  # decoded: action, reward, done, state:<name>, outcome?
+    # Decoded: action, reward, done, state:<name>, outcome? Handed over: with a store the
+    # feeder empties the dict and recycles the buffers no one else refers to.
+    arrays: dict[str, np.ndarray]
     env: np.ndarray
     start: np.ndarray
     end: np.ndarray
     env_steps_before: int  # session env steps before this chunk (the metrics step)
-    # The chunk as the session holds it (encoded); when given, the store path keeps this
-    # instead of the decoded arrays and decodes on demand, for the few episodes it stores.
+    # The chunk as the session holds it (encoded). When given, the store path keeps this
+    # instead of the decoded arrays (their buffers go back to the pool at once), and the
+    # episodes it stores are read from it only when first needed (see _HeldEpisode).
     stored: StoredChunk | None = None
-
-
-# Decoded chunks a worker keeps besides the newest, for fetching stored episodes.
-_DECODED_CACHE = 4
 
 
 class BufferPool:
@@ -141,6 +144,7 @@ class _Part:
     lengths: np.ndarray
     fetch: Callable[[int], EpisodeArrays]
     kept: np.ndarray
+    defer: Callable[[int], _HeldEpisode] | None = None
 
 
 @dataclass
@@ -170,7 +174,6 @@ class _WorkerTails:
     # session's _Ring, which holds its steps from chunks[0].t0 up to `end`.
     row: int = -1
     end: int = 0
-    decoded: collections.OrderedDict = field(default_factory=collections.OrderedDict)
 
     @property
     def rows(self) -> slice:
@@ -452,9 +455,9 @@ class EpisodeFeeder:
         part = None
         if self.keeps_arrays:
             self._hold(tails, t0, item.arrays, item.stored)
-            # The held chunk owns the arrays now: nothing else may keep its buffers from
-            # going back to the pool.
-            item.arrays = {}
+            # The held chunk owns the arrays now (or, held encoded, nothing does): nothing
+            # else may keep its buffers from going back to the pool.
+            decoded, item.arrays = item.arrays, {}
             part = self._gather(tails, env, start, end)
             truncated = int(env.size - part.kept.sum())
             if truncated:
@@ -482,6 +485,12 @@ class EpisodeFeeder:
             tails.open_code = np.where(ended | has, new_code, tails.open_code)
         else:
             tails.open_code[ended] = 0
+        if self.keeps_arrays and item.stored is not None:
+            # Keyed into the ring and held encoded: the decode buffers are free again.
+            del rewards, codes
+            decoded.pop("done", None)  # not taken from the pool
+            decoded.pop("outcome", None)
+            self.buffers.give_all(decoded)
         return _Finished(item, tails, returns, lengths, outcomes, part)
 
     def _record(self, finished: list[_Finished]) -> list[_Finished]:
@@ -532,6 +541,7 @@ class EpisodeFeeder:
             rows, start, lengths, fetch = part.rows, part.start, part.lengths, part.fetch
             steps: int | np.ndarray = finished[0].item.env_steps_before
             outcomes = finished[0].outcomes[part.kept]
+            defer = part.defer
         else:
             rows = np.concatenate([p.rows for p in parts])
             start = np.concatenate([p.start for p in parts])
@@ -544,12 +554,20 @@ class EpisodeFeeder:
                 k = bisect.bisect_right(bounds, i) - 1
                 return fetches[k](i - bounds[k])
 
+            defer = None
+            if all(p.defer is not None for p in parts):
+                defers = [p.defer for p in parts]
+
+                def defer(i: int) -> _HeldEpisode:
+                    k = bisect.bisect_right(bounds, i) - 1
+                    return defers[k](i - bounds[k])
+
             steps = np.repeat(
                 np.array([f.item.env_steps_before for f in finished], dtype=np.int64), counts
             )
             outcomes = np.concatenate([f.outcomes[p.kept] for f, p in zip(finished, parts)])
         ring = self._ring
-        window = EpisodeWindow(ring.columns, ring.rewards, rows, start, lengths, fetch)
+        window = EpisodeWindow(ring.columns, ring.rewards, rows, start, lengths, fetch, defer)
         self.processor.record_episodes(window, None, steps, outcomes=outcomes)
 
     def _chunk_cumsum(self, rewards: np.ndarray) -> np.ndarray:
@@ -592,7 +610,10 @@ class EpisodeFeeder:
         its steps' cell-key columns and rewards to the worker's window."""
         if stored is not None:
             encoded = {k: a for k, a in stored.arrays.items() if k not in ("done", "outcome")}
-            nbytes = sum(a.nbytes for a in encoded.values())
+            # The session holds the chunk anyway: what holding it costs here is its steps'
+            # room in the ring (at most int64 keys and float64 rewards).
+            width = len(self.processor.store.configuration.cell_fields)
+            nbytes = stored.length * tails.num_envs * 8 * (width + 1)
             held = _Held(t0, stored.length, None, encoded, nbytes)
             if arrays is None:  # restoring: decode just what the window needs
                 arrays = {
@@ -600,9 +621,6 @@ class EpisodeFeeder:
                     for k, a in encoded.items()
                     if k == "reward" or k.startswith("state:")
                 }
-            else:
-                tails.decoded[t0] = {k: v for k, v in arrays.items() if k in encoded}
-                self._bound_cache(tails)
         else:
             kept = {k: a for k, a in arrays.items() if k not in ("done", "outcome")}
             held = _Held(
@@ -712,11 +730,6 @@ class EpisodeFeeder:
             flagged[:] = True
         return columns, rewards, flagged
 
-    @staticmethod
-    def _bound_cache(tails: _WorkerTails) -> None:
-        while len(tails.decoded) > _DECODED_CACHE + 1:
-            tails.decoded.popitem(last=False)
-
     def _gather(
         self, tails: _WorkerTails, env: np.ndarray, start: np.ndarray, end: np.ndarray
     ) -> _Part:
@@ -746,6 +759,18 @@ class EpisodeFeeder:
                 raise ValueError("states: a cell field could not be keyed")
         episodes = (env.tolist(), start.tolist(), end.tolist())
         starts = [chunk.t0 for chunk in held]
+        if all(chunk.encoded is not None for chunk in held):
+            # Held encoded (as the session keeps them): stored episodes are read back only
+            # when first needed; most are superseded before anything reads them.
+            bounds = _BoundCache(held[-1].encoded)
+
+            def defer(i: int) -> _HeldEpisode:
+                e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
+                lo = max(bisect.bisect_right(starts, s) - 1, 0)
+                hi = bisect.bisect_left(starts, t, lo)
+                return _HeldEpisode(tails, e, s, t, tuple(held[lo:hi]), bounds(t - s))
+
+            return _Part(rows, start, lengths, lambda i: defer(i).fetch({}), kept, defer)
 
         def fetch(i: int) -> EpisodeArrays:
             e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
@@ -756,7 +781,9 @@ class EpisodeFeeder:
                     break
                 if chunk.t0 + chunk.length <= s:
                     continue
-                arrays = self._decoded(tails, chunk)
+                arrays = chunk.arrays
+                if arrays is None:  # held encoded (restored), among decoded ones
+                    arrays = {k: a.decode() for k, a in chunk.encoded.items()}
                 lo, hi = max(s, chunk.t0) - chunk.t0, min(t, chunk.t0 + chunk.length) - chunk.t0
                 col = chunk.column(e)
                 for k, a in arrays.items():
@@ -769,19 +796,6 @@ class EpisodeFeeder:
 
         return _Part(rows, start, lengths, fetch, kept)
 
-    @staticmethod
-    def _decoded(tails: _WorkerTails, chunk: _Held) -> dict[str, np.ndarray]:
-        if chunk.arrays is not None:
-            return chunk.arrays
-        arrays = tails.decoded.get(chunk.t0)
-        if arrays is None:
-            arrays = {k: a.decode() for k, a in chunk.encoded.items()}
-            tails.decoded[chunk.t0] = arrays
-            EpisodeFeeder._bound_cache(tails)
-        else:
-            tails.decoded.move_to_end(chunk.t0)
-        return arrays
-
     def _trim(self, tails: _WorkerTails) -> None:
         oldest = int(tails.open_start.min()) if tails.open_start.size else 0
         while tails.chunks:
@@ -791,7 +805,6 @@ class EpisodeFeeder:
                 break
             tails.chunks.popleft()
             tails.held_bytes -= chunk.nbytes
-            tails.decoded.pop(chunk.t0, None)
             if chunk.arrays is not None and chunk.columns is None and self.buffers is not None:
                 arrays, chunk.arrays = chunk.arrays, None
                 self.buffers.give_all(arrays)
@@ -824,6 +837,60 @@ class EpisodeFeeder:
             chunk.nbytes = nbytes
             if whole and self.buffers is not None:
                 self.buffers.give_all(released)
+
+
+class _BoundCache:
+    """repository.blob_bound for a worker's episodes by length (its chunks' fields)."""
+
+    def __init__(self, encoded: dict) -> None:
+        self.fields = []
+        for key, arr in encoded.items():
+            name = _EPISODE_NAMES.get(key, "state/" + key[6:])
+            per_step = arr.dtype.itemsize * math.prod(arr.shape[2:])
+            self.fields.append((name, arr.dtype.str, tuple(arr.shape[2:]), per_step))
+
+    def __call__(self, length: int) -> int:
+        return blob_bound(self.fields, length)
+
+
+_EPISODE_NAMES = {"action": "actions", "reward": "rewards"}
+
+
+class _HeldEpisode:
+    """A stored episode not encoded yet (repository.DeferredEpisode): environment ``env``'s
+    steps ``start..end-1`` of a worker, read from the encoded chunks it spans (the session's
+    own, kept for finish(), so holding them costs nothing more)."""
+
+    __slots__ = ("group", "env", "first", "end", "chunks", "bound")
+
+    def __init__(self, group, env: int, start: int, end: int, chunks, bound: int) -> None:
+        self.group, self.env, self.first, self.end = group, env, start, end
+        self.chunks, self.bound = chunks, bound
+
+    @property
+    def length(self) -> int:
+        return self.end - self.first
+
+    def fetch(self, cache: dict) -> EpisodeArrays:
+        """The episode's arrays; ``cache`` keeps decoded chunks by start step for the fetches
+        after this one (in start order), which never need a chunk that ends before them."""
+        for t0 in [t0 for t0, (end, _) in cache.items() if end <= self.first]:
+            del cache[t0]
+        pieces: dict[str, list[np.ndarray]] = {}
+        for chunk in self.chunks:
+            hit = cache.get(chunk.t0)
+            if hit is None:
+                hit = cache[chunk.t0] = (
+                    chunk.t0 + chunk.length,
+                    {k: a.decode() for k, a in chunk.encoded.items()},
+                )
+            lo = max(self.first, chunk.t0) - chunk.t0
+            hi = min(self.end, chunk.t0 + chunk.length) - chunk.t0
+            for k, a in hit[1].items():
+                pieces.setdefault(k, []).append(a[lo:hi, self.env])
+        joined = {k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()}
+        states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
+        return EpisodeArrays(joined["action"], joined["reward"], states)
 
 
 # Reward dtypes whose every value float32 holds exactly (the window stores those as float32).

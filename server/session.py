@@ -373,7 +373,16 @@ class Session:
                 self.env_steps += decoded.length * decoded.num_envs
                 # Under the session lock so the feeder sees chunks in apply order.
                 self.feeder.submit(
-                    ChunkEpisodes(timeline.index, t0, decoded.arrays, env, start, end, steps_before)
+                    ChunkEpisodes(
+                        timeline.index,
+                        t0,
+                        decoded.arrays,
+                        env,
+                        start,
+                        end,
+                        steps_before,
+                        timeline.chunks[-1],
+                    )
                 )
             raw = sum(a.nbytes for a in decoded.encoded.values())
             labels = {"session": self.name}
@@ -440,6 +449,10 @@ class Session:
     def reset(self) -> None:
         with self.lock:
             self.feeder.reset()
+            if self.processor.store is not None:
+                # Stored episodes still read from this session's chunks: encoded before the
+                # chunks go.
+                self.processor.store.encode_deferred()
             for timeline in self.workers.values():
                 timeline.clear()
             self._clear()

@@ -164,7 +164,8 @@ def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, 
         for i, (t0, arrays, env, start, end) in enumerate(chunks):
             stored = _stored(t0, arrays) if encoded else None
             steps = i * length * num_envs
-            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps, stored))
+            # A dict of its own: the feeder empties the one it is handed.
+            feeder.submit(ChunkEpisodes(0, t0, dict(arrays), env, start, end, steps, stored))
         assert feeder.drain(30)
     finally:
         feeder.close()
@@ -329,63 +330,193 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
 
 
-def test_session_recycles_decode_buffers_without_corrupting_stored_episodes():
-    """Through Session.apply, chunks are decoded into buffers the store path hands back once
-    no held chunk needs them; the store still equals recording each episode directly."""
+_FIELDS = ("player_positions", "player_inventory")
+
+
+def _session_fed(chunks, config, alloc_spy=None):
+    """A real Session with a store, each chunk applied as the service applies it (drained
+    after each, so that every chunk finds the buffers the last one gave back)."""
     from recorder_client._proto import recorder_pb2 as pb
     from recorder_server.metrics import NullMetrics
     from recorder_server.session import Session, SessionConfig
 
+    session = Session("s", SessionConfig(None, True, _FIELDS, config), NullMetrics())
+    session.join("w", session.config)
+    if alloc_spy is not None:
+        session.feeder.alloc = alloc_spy(session.feeder.buffers.take)
+    for i, (_, arrays, _, _, _) in enumerate(chunks):
+        msg = pb.Chunk(sequence=i + 1)
+        for name in ("action", "reward", "done"):
+            getattr(msg, name).CopyFrom(codec.encode_array(arrays[name]))
+        for name in _FIELDS:
+            msg.states.append(
+                pb.NamedArray(name=name, array=codec.encode_array(arrays[f"state:{name}"]))
+            )
+        session.apply("w", msg, 1 << 30, log=False)
+        assert session.feeder.drain(30)
+    return session
+
+
+def _reference(chunks, config) -> TrajectoryCaptureProcessor:
+    """Every chunk's episodes recorded one by one with record_episode."""
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
+    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+    steps_before = 0
+    for _, arrays, env, start, end in chunks:
+        for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
+            episode = EpisodeArrays(
+                actions=whole["action"][s:t, e],
+                rewards=whole["reward"][s:t, e],
+                states={n: whole[f"state:{n}"][s:t, e] for n in _FIELDS},
+            )
+            reference.record_episode(episode, {}, steps_before, outcome=0)
+        steps_before += arrays["reward"].size
+    return reference
+
+
+def _assert_same_checkpoints(a, b, chosen: int = 0) -> None:
+    """Equal checkpoints, but for ``chosen`` more start choices counted in ``a``."""
+    sa, sb = a.checkpoint_state(), b.checkpoint_state()
+    assert sa["counters"] == sb["counters"]
+    for name, value in sa["arrays"].items():
+        other = sb["arrays"][name]
+        if name == "archive/times_chosen":
+            assert int(value.sum()) - int(other.sum()) == chosen
+        else:
+            np.testing.assert_array_equal(value, other, err_msg=name)
+
+
+@pytest.mark.parametrize("capacity", [1 << 30, 6000])
+def test_session_recycles_decode_buffers_without_corrupting_stored_episodes(capacity):
+    """Through Session.apply, a chunk's decode buffers go back to the pool once its cell keys
+    and rewards are in the ring (the chunk is held as the session keeps it, encoded): one
+    buffer per pooled array serves every chunk. The store still equals recording each episode
+    directly, also when a small capacity makes it evict."""
     length, num_envs = 16, 8
     chunks = _chunks(11, 40, length, num_envs)
-    config = _config(1 << 30)
-    fields = ("player_positions", "player_inventory")
-    session = Session("s", SessionConfig(None, True, fields, config), NullMetrics())
-    session.join("w", session.config)
-    pool = session.feeder.buffers
+    config = _config(capacity)
     taken = []
-    take = pool.take
 
-    def spy(shape, dtype):
-        arr = take(shape, dtype)
-        taken.append(arr.__array_interface__["data"][0])
-        return arr
+    def spy(take):
+        def alloc(shape, dtype):
+            arr = take(shape, dtype)
+            taken.append(arr.__array_interface__["data"][0])
+            return arr
 
-    session.feeder.alloc = spy
+        return alloc
+
+    session = _session_fed(chunks, config, spy)
     try:
-        for i, (_, arrays, _, _, _) in enumerate(chunks):
-            msg = pb.Chunk(sequence=i + 1)
-            for name in ("action", "reward", "done"):
-                getattr(msg, name).CopyFrom(codec.encode_array(arrays[name]))
-            for name in fields:
-                msg.states.append(
-                    pb.NamedArray(name=name, array=codec.encode_array(arrays[f"state:{name}"]))
-                )
-            session.apply("w", msg, 1 << 30, log=False)
-            assert session.feeder.drain(30)  # let trims hand buffers back before the next
-        assert len(set(taken)) < len(taken)  # buffers were reused
-        streamed = session.processor
-        reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
-        whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
-        steps_before = 0
-        for _, _, env, start, end in chunks:
-            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
-                episode = EpisodeArrays(
-                    actions=whole["action"][s:t, e],
-                    rewards=whole["reward"][s:t, e],
-                    states={n: whole[f"state:{n}"][s:t, e] for n in fields},
-                )
-                reference.record_episode(episode, {}, steps_before, outcome=0)
-            steps_before += length * num_envs
-        a, b = streamed.store, reference.store
+        # action, reward and the two state fields (done is decoded apart).
+        assert len(taken) == 4 * len(chunks) and len(set(taken)) <= 4
+        a, b = session.processor.store, _reference(chunks, config).store
         assert a.trajectory_ids() == b.trajectory_ids()
         assert a.trajectory_ids()
+        if capacity < 1 << 20:
+            assert a.metrics()["repository_evictions"] > 0
         _assert_same_trajectories(a, b)
-        sa, sb = a.checkpoint_state(), b.checkpoint_state()
-        for name, value in sa["arrays"].items():
-            np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+        _assert_same_checkpoints(a, b)
     finally:
         session.close()
+
+
+def test_stored_episodes_are_encoded_only_when_first_needed():
+    """Episodes the store keeps are read back from the session's chunks only when something
+    needs them: a read encodes that one, a checkpoint all. Until then the repository counts
+    a bound of each one's size (never below the size encoded)."""
+    chunks = _chunks(13, 30, 16, 8)
+    config = _config(1 << 30)
+    session = _session_fed(chunks, config)
+    try:
+        store, reference = session.processor.store, _reference(chunks, config).store
+        repository = store._repository
+        ids = store.trajectory_ids()
+        assert ids == reference.trajectory_ids() and len(ids) > 3
+        assert repository.deferred == len(ids)
+        bounded = store.metrics()["repository_bytes"]
+        assert bounded >= reference.metrics()["repository_bytes"]
+
+        x, y = store.trajectory(ids[1]), reference.trajectory(ids[1])
+        assert repository.deferred == len(ids) - 1
+        np.testing.assert_array_equal(x.actions, y.actions)
+        np.testing.assert_array_equal(x.rewards, y.rewards)
+        for k in y.states:
+            np.testing.assert_array_equal(x.states[k], y.states[k])
+        assert store.metrics()["repository_bytes"] < bounded
+
+        ref, prefix = store.sample_start()
+        whole = reference.trajectory(ref.trajectory_id)
+        np.testing.assert_array_equal(prefix.actions, whole.actions[: ref.step + 1])
+
+        _assert_same_checkpoints(store, reference, chosen=1)
+        assert repository.deferred == 0
+        assert store.metrics()["repository_bytes"] == reference.metrics()["repository_bytes"]
+    finally:
+        session.close()
+
+
+def test_session_reset_encodes_the_episodes_read_from_its_chunks():
+    """A reset drops the session's chunks: stored episodes still to be read from them are
+    encoded first, and stay readable and equal to recording them directly."""
+    chunks = _chunks(17, 20, 16, 8)
+    config = _config(1 << 30)
+    session = _session_fed(chunks, config)
+    try:
+        store, reference = session.processor.store, _reference(chunks, config).store
+        assert store._repository.deferred > 0
+        session.reset()
+        assert store._repository.deferred == 0
+        assert all(not tl.chunks for tl in session.workers.values())
+        assert store.trajectory_ids() == reference.trajectory_ids()
+        _assert_same_trajectories(store, reference)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("share", [1.0, 0.6])
+def test_deferred_episodes_evict_exactly_what_encoding_on_arrival_would(share):
+    """A capacity of exactly the encoded episodes' total evicts nothing (though the bounds
+    they count until encoded add up to more), and 60% of it evicts the same trajectories as
+    recording every episode directly."""
+    chunks = _chunks(19, 30, 16, 8)
+    full = _reference(chunks, _config(1 << 30)).store.metrics()["repository_bytes"]
+    config = _config(int(full * share))
+    session = _session_fed(chunks, config)
+    try:
+        a, b = session.processor.store, _reference(chunks, config).store
+        evictions = b.metrics()["repository_evictions"]
+        assert (evictions > 0) == (share < 1)
+        assert a.metrics()["repository_evictions"] == evictions
+        assert a.trajectory_ids() == b.trajectory_ids()
+        _assert_same_checkpoints(a, b)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("length", [0, 1, 9, 700])
+def test_deferred_size_bound_holds_for_incompressible_episodes(length):
+    """The bound a deferred episode counts is never below its encoded size, even for
+    random bytes (which zstd cannot shrink), and is not far above their raw size."""
+    from recorder_server.feeder import _BoundCache
+    from recorder_server.store.repository import encode_episode
+
+    rng = np.random.default_rng(length)
+    chunk_len, num_envs = max(length, 1), 3
+    arrays = {
+        "action": rng.integers(-(2**62), 2**62, (chunk_len, num_envs)),
+        "reward": rng.random((chunk_len, num_envs)),
+        "state:frames": rng.integers(0, 256, (chunk_len, num_envs, 3, 5, 7), dtype=np.uint8),
+        "state:player_positions": rng.integers(0, 2**31, (chunk_len, num_envs, 1, 2)),
+    }
+    bound = _BoundCache(_stored(0, arrays).arrays)(length)
+    episode = EpisodeArrays(
+        actions=arrays["action"][:length, 1],
+        rewards=arrays["reward"][:length, 1],
+        states={k[6:]: v[:length, 1] for k, v in arrays.items() if k.startswith("state:")},
+    )
+    size = len(encode_episode(episode))
+    raw = length * (8 + 8 + 105 + 16)
+    assert size <= bound <= raw + raw // 100 + 2048, (size, bound, raw)
 
 
 def test_buffer_pool_when_full_keeps_the_shapes_in_use_and_drops_stale_ones():

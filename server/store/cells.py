@@ -301,6 +301,9 @@ class EpisodeColumns:
     lengths: np.ndarray
     """(E,) episode lengths (>= 0) summing to S."""
     fetch: Callable[[int], Any] = field(repr=False)
+    # Episode i's deferred source (repository.DeferredEpisode): stored episodes are then
+    # encoded only when first needed, instead of fetched and encoded now.
+    defer: Callable[[int], Any] | None = field(default=None, repr=False)
     offsets: np.ndarray = field(init=False, repr=False)
     """(E+1,) start of each episode, then S."""
 
@@ -351,6 +354,9 @@ class EpisodeWindow:
     start: np.ndarray
     lengths: np.ndarray
     fetch: Callable[[int], Any] = field(repr=False)
+    # Episode i's deferred source (repository.DeferredEpisode): stored episodes are then
+    # encoded only when first needed, instead of fetched and encoded now.
+    defer: Callable[[int], Any] | None = field(default=None, repr=False)
     offsets: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -6,12 +6,22 @@ cell is dropped at once and counted as ``discarded``, never as an eviction). Whe
 compressed bytes exceed the capacity, unreferenced trajectories are evicted oldest (smallest
 id) first until the total fits or none is left; referenced ones are never evicted, so the total
 may stay above the capacity (``over_capacity`` in the stats). Not thread-safe: the store locks.
+
+A trajectory may also be stored *deferred*: as a source that reads it from the chunks the
+session keeps anyway (compressed, for finish()), encoded only when first needed (read,
+checkpointed, or when the capacity has to be decided on exact sizes). Until then it counts
+an upper bound of its blob's size, so a deferred trajectory never makes the repository evict
+what storing it encoded would not: once the bounded total exceeds the capacity, every deferred
+trajectory is encoded and the rule above is applied to the exact sizes. Most stored
+trajectories are superseded before anything reads them; those are never encoded at all.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import zstandard
@@ -39,11 +49,42 @@ def decode_episode(blob: bytes) -> EpisodeArrays:
     return EpisodeArrays(actions=arrays["actions"], rewards=arrays["rewards"], states=states)
 
 
+def blob_bound(field_bytes: Iterable[tuple[str, str, tuple[int, ...], int]], length: int) -> int:
+    """An upper bound of :func:`encode_episode`'s size for an episode of ``length`` steps
+    whose arrays are ``(name, dtype.str, trailing shape, bytes per step)``: the packed
+    container (header bounded generously) under zstd's worst-case bound."""
+    packed = len(codec.MAGIC) + 4 + 64  # magic, header length, JSON braces and meta
+    for name, dtype, trailing, per_step in field_bytes:
+        dims = ",".join(str(d) for d in (length, *trailing))
+        # One header entry (its numbers at most 20 digits each), alignment, the bytes.
+        packed += 100 + len(name) + len(dtype) + len(dims) + 63 + length * per_step
+    # ZSTD_COMPRESSBOUND, plus a frame header and checksum margin.
+    small = ((128 << 10) - packed) >> 11 if packed < (128 << 10) else 0
+    return packed + (packed >> 8) + small + 32
+
+
+class DeferredEpisode(Protocol):
+    """A stored trajectory not yet encoded (see the module docstring)."""
+
+    length: int
+    bound: int  # an upper bound of its blob's size
+    group: Any  # sources of one group share the chunks they read (sorted by `first`)
+    first: int
+
+    def fetch(self, cache: dict) -> EpisodeArrays:
+        """The episode's arrays; ``cache`` is shared by the fetches of one encoding pass."""
+
+
 @dataclass
 class _Entry:
-    blob: bytes
+    blob: bytes | None
     length: int
     refcount: int
+    source: DeferredEpisode | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.blob) if self.blob is not None else self.source.bound
 
 
 class TrajectoryRepository:
@@ -57,6 +98,8 @@ class TrajectoryRepository:
         self.evictions = 0
         self.discarded = 0
         self.next_id = 0
+        self._deferred: set[int] = set()
+        self._compressor: zstandard.ZstdCompressor | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,6 +122,56 @@ class TrajectoryRepository:
         self.total_bytes += len(blob)
         return self.evict_to_capacity()
 
+    def add_deferred(
+        self, trajectory_id: int, source: DeferredEpisode, length: int, refcount: int
+    ) -> list[int]:
+        """:meth:`add`, with the blob encoded from ``source`` only when first needed."""
+        if refcount <= 0:
+            self.discarded += 1
+            return []
+        if source.length != length:
+            raise ValueError(f"source: expected an episode of {length} steps, got {source.length}")
+        self._entries[trajectory_id] = _Entry(None, length, refcount, source)
+        self._deferred.add(trajectory_id)
+        self.total_bytes += source.bound
+        return self.evict_to_capacity()
+
+    @property
+    def deferred(self) -> int:
+        """Stored trajectories not encoded yet."""
+        return len(self._deferred)
+
+    def encode_deferred(self, ids: Iterable[int] | None = None) -> None:
+        """Encode deferred trajectories (all, or those of ``ids``), each group's chunks read
+        once: sources sorted by group and first step, a chunk dropped from the cache once
+        the sources after it start later."""
+        todo = self._deferred if ids is None else self._deferred.intersection(ids)
+        if not todo:
+            return
+        order = sorted(
+            todo, key=lambda t: (id(self._entries[t].source.group), self._entries[t].source.first)
+        )
+        if self._compressor is None:
+            self._compressor = codec.compressor()
+        cache: dict = {}
+        group = None
+        for tid in order:
+            entry = self._entries[tid]
+            source = entry.source
+            if source.group is not group:
+                group = source.group
+                cache.clear()
+            episode = source.fetch(cache)
+            if episode.length != entry.length:
+                raise RuntimeError(
+                    f"repository: trajectory {tid} read back {episode.length} steps, "
+                    f"stored as {entry.length}"
+                )
+            entry.blob = encode_episode(episode, compressor=self._compressor)
+            entry.source = None
+            self.total_bytes += len(entry.blob) - source.bound
+            self._deferred.discard(tid)
+
     def discard(self, count: int) -> None:
         """Count ``count`` episodes that no cell referenced on arrival (never stored)."""
         self.discarded += count
@@ -96,17 +189,25 @@ class TrajectoryRepository:
     def evict_to_capacity(self) -> list[int]:
         """Evict unreferenced trajectories, oldest first, while over capacity."""
         evicted = []
+        if self.total_bytes > self.capacity_bytes and self._deferred and self._unreferenced:
+            # Decided on exact sizes, as if every trajectory had been encoded on arrival.
+            self.encode_deferred()
         while self.total_bytes > self.capacity_bytes and self._unreferenced:
             tid = heapq.heappop(self._unreferenced)
             entry = self._entries.pop(tid)
-            self.total_bytes -= len(entry.blob)
+            self.total_bytes -= entry.nbytes
+            self._deferred.discard(tid)
             self.evictions += 1
             evicted.append(tid)
         return evicted
 
     def blob(self, trajectory_id: int) -> bytes | None:
         entry = self._entries.get(trajectory_id)
-        return None if entry is None else entry.blob
+        if entry is None:
+            return None
+        if entry.blob is None:
+            self.encode_deferred([trajectory_id])
+        return entry.blob
 
     def refcount(self, trajectory_id: int) -> int | None:
         entry = self._entries.get(trajectory_id)
@@ -124,6 +225,7 @@ class TrajectoryRepository:
             "repository_trajectories": float(len(self._entries)),
             "repository_unreferenced": float(len(self._unreferenced)),
             "repository_bytes": float(self.total_bytes),
+            "repository_deferred": float(len(self._deferred)),
             "repository_capacity_bytes": float(self.capacity_bytes),
             "repository_over_capacity": float(self.total_bytes > self.capacity_bytes),
             "repository_evictions": float(self.evictions),
@@ -132,6 +234,7 @@ class TrajectoryRepository:
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Ids, lengths, refcounts and all blobs concatenated (with offsets)."""
+        self.encode_deferred()
         ids = sorted(self._entries)
         entries = [self._entries[i] for i in ids]
         sizes = np.array([len(e.blob) for e in entries], dtype=np.int64)

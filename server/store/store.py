@@ -333,7 +333,7 @@ class TrajectoryStore:
         encode = _fetching_encoder(window.fetch, lengths)
 
         result = self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
+            lengths, offsets, grouping, encode, step_array, outcome_codes, refs, window.defer
         )
         return result.records() if records else result.codes
 
@@ -364,9 +364,11 @@ class TrajectoryStore:
         step_array: np.ndarray,
         outcomes: np.ndarray,
         refs: list[TrajectorySliceReference | None],
+        defer: Callable[[int], Any] | None = None,
     ) -> _BatchResult:
         """The one write path: validated per-episode arguments, a callable grouping the steps
-        by cell (with each episode's return), and one for the blobs."""
+        by cell (with each episode's return), and one for the blobs (or, with ``defer``, one
+        for each episode's deferred source: see :mod:`.repository`)."""
         count = lengths.shape[0]
         cells, returns, bad = grouping()
         if bad >= 0:
@@ -421,7 +423,9 @@ class TrajectoryStore:
                     if b > a:
                         repository.release(dict(zip(rel_tid[a:b], rel_count[a:b], strict=True)))
                     n = improved_list[i]
-                    if n:
+                    if n and defer is not None:
+                        repository.add_deferred(first_tid + i, defer(i), length, n)
+                    elif n:
                         if self._compressor is None:
                             self._compressor = codec.compressor()
                         repository.add(first_tid + i, encode(i, self._compressor), length, n)
@@ -559,6 +563,12 @@ class TrajectoryStore:
         with self._lock:
             blob = self._repository.blob(trajectory_id)
         return None if blob is None else decode_episode(blob)
+
+    def encode_deferred(self) -> None:
+        """Encode every stored trajectory still read from a session's chunks (before those
+        chunks go: a session reset)."""
+        with self._lock:
+            self._repository.encode_deferred()
 
     def trajectory_ids(self) -> list[int]:
         with self._lock:
