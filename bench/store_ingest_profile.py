@@ -1,7 +1,7 @@
 """Feeder cost per chunk with and without a trajectory store (bench workload).
 
 Usage: .venv/bin/python bench/store_ingest_profile.py [--workers 4] [--chunks 80] [--feeder PATH]
-                                                       [--encoded] [--profile] [--batch K]
+                                                       [--decoded] [--profile] [--batch K]
 Runs Session.apply over each worker's chunks (T=128, N=256; the workers' chunks interleaved
 and seeded as in the ingest row) with the feeder's queue intercepted, then times
 EpisodeFeeder._process_batch per chunk (best of 3 passes over fresh sessions); `--batch K` hands
@@ -44,7 +44,7 @@ def make_chunks(count: int = 80, workers: int = 4) -> list[tuple[str, pb.Chunk]]
     return chunks
 
 
-def run(chunks, capture, feeder_cls, encoded: bool, profile: bool, batch: int = 1):
+def run(chunks, capture, feeder_cls, decoded: bool, profile: bool, batch: int = 1):
     s = Session("b", SessionConfig(None, True, STATES, capture), MetricsTracker())
     for name in dict(chunks):
         s.join(name, s.config)
@@ -56,10 +56,9 @@ def run(chunks, capture, feeder_cls, encoded: bool, profile: bool, batch: int = 
     s.feeder = type("Q", (), queue)()
     for name, ch in chunks:
         s.apply(name, ch, 1 << 31)
-    if encoded:
-        stored = {tl.index: iter(tl.chunks) for tl in s.workers.values()}
+    if decoded:  # as a caller without the session's chunks: held decoded, fetched at once
         for item in items:
-            item.stored = next(stored[item.worker])
+            item.stored = None
     pr = cProfile.Profile() if profile else None
     t = time.perf_counter()
     if pr:
@@ -77,7 +76,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--chunks", type=int, default=80, help="chunks per worker")
     ap.add_argument("--feeder", help="load EpisodeFeeder from this file instead")
-    ap.add_argument("--encoded", action="store_true", help="hand the feeder StoredChunks")
+    ap.add_argument(
+        "--decoded",
+        action="store_true",
+        help="hand the feeder decoded arrays only (no StoredChunk): the held-arrays path",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--batch", type=int, default=1, help="chunks per feeder call")
     args = ap.parse_args()
@@ -93,11 +96,11 @@ def main() -> None:
     chunks = make_chunks(args.chunks, args.workers)
     for capture in (None, CAPTURE):
         best = min(
-            run(chunks, capture, feeder_cls, args.encoded, False, args.batch)[0] for _ in range(3)
+            run(chunks, capture, feeder_cls, args.decoded, False, args.batch)[0] for _ in range(3)
         )
         print(f"store {'on ' if capture else 'off'}: feeder {best:.2f} ms per chunk")
     if args.profile:
-        run(chunks, CAPTURE, feeder_cls, args.encoded, True, args.batch)
+        run(chunks, CAPTURE, feeder_cls, args.decoded, True, args.batch)
 
 
 if __name__ == "__main__":
