@@ -52,6 +52,7 @@ def _chunks(
     widen_from: int | None = None,
     key_shift: int = 3 << 33,
     long_until: int = 1,
+    done_every: int | None = None,
 ):
     """Time-major chunks of a random walk, plus each chunk's finished (env, start, end);
     env 0's first episode lasts at least ``long_until`` chunks.
@@ -71,6 +72,9 @@ def _chunks(
             pos += steps[t]
             positions[t, :, 0] = pos
         done = rng.random((length, num_envs)) < 0.08
+        if done_every is not None:  # every episode done_every steps long
+            done = (np.arange(t0, t0 + length) % done_every == done_every - 1)[:, None]
+            done = np.repeat(done, num_envs, axis=1)
         if c < long_until:
             done[:, 0] = False  # env 0 runs one long episode across chunks
         reward = rng.choice(np.array([0.0, 0.5, 1.0], np.float32), (length, num_envs))
@@ -471,6 +475,49 @@ def test_session_reset_encodes_the_episodes_read_from_its_chunks():
         _assert_same_trajectories(store, reference)
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("encoded", [False, True])
+def test_episodes_longer_than_the_held_tail_are_counted_not_stored(encoded):
+    """Under a small tail cap the oldest held chunks go even while an open episode needs
+    them: that episode is counted as too long for the store and never recorded half, and
+    every other episode is recorded as recording it directly would."""
+    length, num_envs = 16, 8
+    # Every episode 4 steps long, but env 0's first: 8 chunks and 4 steps.
+    chunks = _chunks(23, 12, length, num_envs, long_until=8, done_every=4)
+    config = _config(1 << 30)
+    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    # A held encoded chunk counts its room in the ring (3,072 bytes here), a decoded one its
+    # bytes (512 once only env 0's column is kept): at most a few chunks fit.
+    feeder = EpisodeFeeder("s", streamed, _Metrics(), max_tail_bytes=3000)
+    try:
+        # One chunk per call, as when the feeder keeps up (it trims after each call).
+        for i, (t0, arrays, env, start, end) in enumerate(chunks):
+            stored = _stored(t0, arrays) if encoded else None
+            steps = i * length * num_envs
+            item = ChunkEpisodes(0, t0, dict(arrays), env, start, end, steps, stored)
+            feeder._process_batch([item])
+            assert len(feeder._workers[0].chunks) <= 2
+    finally:
+        feeder.close()
+    assert feeder.truncated_episodes == 1
+
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
+    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+    for i, (_, _, env, start, end) in enumerate(chunks):
+        episodes = [
+            EpisodeArrays(
+                actions=whole["action"][s:t, e],
+                rewards=whole["reward"][s:t, e],
+                states={n: whole[f"state:{n}"][s:t, e] for n in _FIELDS},
+            )
+            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
+            if t - s == 4  # all but env 0's long first episode
+        ]
+        assert len(episodes) == env.size - (i == 8)
+        reference.record_episodes(episodes, None, i * length * num_envs, outcomes=0)
+    _assert_same_checkpoints(streamed.store, reference.store)
+    _assert_same_trajectories(streamed.store, reference.store)
 
 
 @pytest.mark.parametrize("share", [1.0, 0.6])
