@@ -161,6 +161,12 @@ class Durability:
         """Write every session atomically, then drop the log behind it."""
         assert self.wal is not None
         with self._checkpoint_lock:
+            # Stored episodes still read from the sessions' chunks are encoded before every
+            # lock is taken (each store's lock only): ingest keeps going meanwhile, and only
+            # those stored since are left for the snapshot below.
+            for session in service.sessions():
+                if session.processor.store is not None:
+                    session.processor.store.encode_deferred()
             with ExitStack() as stack:
                 sessions = service.lock_all(stack)
                 cut = self.wal.next_index

@@ -271,6 +271,69 @@ def test_sigterm_checkpoints_and_restart_needs_no_replay(durable):
         assert rec.finish().actions.tobytes() == reference(chunks)["actions"].tobytes()
 
 
+def test_trajectory_store_survives_sigterm_and_kill_9(durable, tmp_path):
+    """A store's kept episodes are encoded by the SIGTERM checkpoint (they were still read
+    from the session's chunks) and rebuilt by the log replay after kill -9: either way the
+    store equals that of a server that never stopped, fed the same chunks."""
+    from recorder_client import (
+        CellField,
+        OutcomeRule,
+        TrajectoryTrainingConfiguration,
+        UtilityConfig,
+    )
+
+    config = TrajectoryTrainingConfiguration(
+        cell_fields=(
+            CellField("player_positions", (0, 0), bucket=4, name="x"),
+            CellField("player_positions", (0, 1), bucket=4, name="y"),
+        ),
+        utilities=(UtilityConfig("win_proximity", gamma=0.9),),
+        outcome_rule=OutcomeRule("reward_sign"),
+    )
+    env = SyntheticVecEnv(8, seed=4, done_prob=0.05)
+    chunks = [env.collect(32) for _ in range(10)]
+
+    def recorder(address, session):
+        return RolloutRecorder(
+            record_states=True,
+            state_fields=FIELDS,
+            target=address,
+            session=session,
+            worker_id="w",
+            capture=config,
+        )
+
+    def record(address, session):
+        with recorder(address, session) as rec:
+            for trajectories, states in chunks:
+                rec.record(trajectories, states)
+            rec.flush()
+            return rec.capture.snapshot_potential("win_proximity", ["x", "y"])
+
+    def store_file(address, session):
+        with recorder(address, session) as rec:
+            return rec.capture.trajectory_store_checkpoint_file(compress=False).data
+
+    steady = Server(tmp_path / "steady").start()
+    try:
+        potential = record(steady.address, "s")
+        expected = store_file(steady.address, "s")
+    finally:
+        steady.stop()
+
+    server = durable().start()
+    assert record(server.address, "s") == potential
+    assert server.stop() == 0  # SIGTERM: a checkpoint
+    server.start()
+    assert "replayed 0 log records" in server.stderr()
+    assert store_file(server.address, "s") == expected
+    assert record(server.address, "k") == potential
+    server.kill9()
+    server.start()
+    assert store_file(server.address, "k") == expected
+    assert store_file(server.address, "s") == expected
+
+
 def test_runtime_state_moves_a_session_to_a_fresh_server(durable, tmp_path):
     first = durable().start()
     chunks = record_chunks(first.address, 4, seed=5)
