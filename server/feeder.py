@@ -174,6 +174,10 @@ class _WorkerTails:
     # session's _Ring, which holds its steps from chunks[0].t0 up to `end`.
     row: int = -1
     end: int = 0
+    # Held chunks that are decoded arrays (not the session's encoded chunks).
+    decoded_held: int = 0
+    # The blob size bound of this worker's episodes (its fields are fixed by the session).
+    bounds: _BoundCache | None = None
 
     @property
     def rows(self) -> slice:
@@ -628,6 +632,7 @@ class EpisodeFeeder:
             )
         tails.chunks.append(held)
         tails.held_bytes += held.nbytes
+        tails.decoded_held += held.encoded is None
         ring = self._ring
         length, num_envs = held.length, tails.num_envs
         sources = self._key_sources(arrays)
@@ -758,19 +763,25 @@ class EpisodeFeeder:
                         raise chunk.error
                 raise ValueError("states: a cell field could not be keyed")
         episodes = (env.tolist(), start.tolist(), end.tolist())
-        starts = [chunk.t0 for chunk in held]
-        if all(chunk.encoded is not None for chunk in held):
+        if not tails.decoded_held:
             # Held encoded (as the session keeps them): stored episodes are read back only
             # when first needed; most are superseded before anything reads them.
-            bounds = _BoundCache(held[-1].encoded)
+            if tails.bounds is None:
+                tails.bounds = _BoundCache(held[-1].encoded)
+            bounds = tails.bounds
+            starts: list[int] = []
 
             def defer(i: int) -> _HeldEpisode:
+                if not starts:  # only a few episodes of a chunk are stored
+                    starts.extend(chunk.t0 for chunk in held)
                 e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
                 lo = max(bisect.bisect_right(starts, s) - 1, 0)
                 hi = bisect.bisect_left(starts, t, lo)
                 return _HeldEpisode(tails, e, s, t, tuple(held[lo:hi]), bounds(t - s))
 
             return _Part(rows, start, lengths, lambda i: defer(i).fetch({}), kept, defer)
+
+        starts = [chunk.t0 for chunk in held]
 
         def fetch(i: int) -> EpisodeArrays:
             e, s, t = episodes[0][i], episodes[1][i], episodes[2][i]
@@ -805,6 +816,7 @@ class EpisodeFeeder:
                 break
             tails.chunks.popleft()
             tails.held_bytes -= chunk.nbytes
+            tails.decoded_held -= chunk.encoded is None
             if chunk.arrays is not None and chunk.columns is None and self.buffers is not None:
                 arrays, chunk.arrays = chunk.arrays, None
                 self.buffers.give_all(arrays)

@@ -520,6 +520,28 @@ def test_episodes_longer_than_the_held_tail_are_counted_not_stored(encoded):
     _assert_same_trajectories(streamed.store, reference.store)
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_one_or_three_cell_fields_through_a_session(width):
+    """The window's grouping for other than two cell fields (its general code loop) equals
+    recording every episode directly."""
+    import dataclasses
+
+    fields = (
+        CellField("player_positions", (0, 0), bucket=2, name="x"),
+        CellField("player_positions", (0, 1), bucket=2, name="y"),
+        CellField("player_inventory", (0, 2), name="z"),
+    )
+    config = dataclasses.replace(_config(1 << 30), cell_fields=fields[:width])
+    chunks = _chunks(29, 20, 16, 8)
+    session = _session_fed(chunks, config)
+    try:
+        a, b = session.processor.store, _reference(chunks, config).store
+        assert a.trajectory_ids() == b.trajectory_ids() and a.trajectory_ids()
+        _assert_same_checkpoints(a, b)
+    finally:
+        session.close()
+
+
 @pytest.mark.parametrize("share", [1.0, 0.6])
 def test_deferred_episodes_evict_exactly_what_encoding_on_arrival_would(share):
     """A capacity of exactly the encoded episodes' total evicts nothing (though the bounds

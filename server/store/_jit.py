@@ -253,15 +253,24 @@ def window_pairs(
         last = n - 1
         a = start[e] % capacity
         head = min(n, capacity - a)  # steps before the ring wraps
-        for j in range(n):
-            codes[j] = 0
-        for r in range(rows):
-            row = ring[r, env[e]]
-            lo, st = lows[r], strides[r]
+        if rows == 2:  # the usual two cell fields (positions): one pass
+            r0, r1 = ring[0, env[e]], ring[1, env[e]]
+            lo0, st0, lo1, st1 = lows[0], strides[0], lows[1], strides[1]
             for j in range(head):
-                codes[j] += (np.int64(row[a + j]) - lo) * st
+                codes[j] = (np.int64(r0[a + j]) - lo0) * st0 + (np.int64(r1[a + j]) - lo1) * st1
             for j in range(head, n):
-                codes[j] += (np.int64(row[j - head]) - lo) * st
+                k = j - head
+                codes[j] = (np.int64(r0[k]) - lo0) * st0 + (np.int64(r1[k]) - lo1) * st1
+        else:
+            for j in range(n):
+                codes[j] = 0
+            for r in range(rows):
+                row = ring[r, env[e]]
+                lo, st = lows[r], strides[r]
+                for j in range(head):
+                    codes[j] += (np.int64(row[a + j]) - lo) * st
+                for j in range(head, n):
+                    codes[j] += (np.int64(row[j - head]) - lo) * st
         rew = ring_rewards[env[e]]
         s = 0.0
         for j in range(head):
