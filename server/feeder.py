@@ -799,11 +799,7 @@ class EpisodeFeeder:
                 col = chunk.column(e)
                 for k, a in arrays.items():
                     pieces.setdefault(k, []).append(a[lo:hi, col])
-            joined = {
-                k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()
-            }
-            states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
-            return EpisodeArrays(joined["action"], joined["reward"], states)
+            return _joined(pieces)
 
         return _Part(rows, start, lengths, fetch, kept)
 
@@ -900,9 +896,14 @@ class _HeldEpisode:
             hi = min(self.end, chunk.t0 + chunk.length) - chunk.t0
             for k, a in hit[1].items():
                 pieces.setdefault(k, []).append(a[lo:hi, self.env])
-        joined = {k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()}
-        states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
-        return EpisodeArrays(joined["action"], joined["reward"], states)
+        return _joined(pieces)
+
+
+def _joined(pieces: dict[str, list[np.ndarray]]) -> EpisodeArrays:
+    """An episode from its pieces per chunk array (action, reward, state:<name>)."""
+    joined = {k: v[0].copy() if len(v) == 1 else np.concatenate(v) for k, v in pieces.items()}
+    states = {k[6:]: v for k, v in joined.items() if k.startswith("state:")}
+    return EpisodeArrays(joined["action"], joined["reward"], states)
 
 
 # Reward dtypes whose every value float32 holds exactly (the window stores those as float32).

@@ -301,9 +301,6 @@ class EpisodeColumns:
     lengths: np.ndarray
     """(E,) episode lengths (>= 0) summing to S."""
     fetch: Callable[[int], Any] = field(repr=False)
-    # Episode i's deferred source (repository.DeferredEpisode): stored episodes are then
-    # encoded only when first needed, instead of fetched and encoded now.
-    defer: Callable[[int], Any] | None = field(default=None, repr=False)
     offsets: np.ndarray = field(init=False, repr=False)
     """(E+1,) start of each episode, then S."""
 
