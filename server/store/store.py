@@ -100,9 +100,6 @@ class TrajectoryStore:
             )
         self._config = configuration
         self._lock = threading.Lock()
-        # Built at the first stored episode and reused under the lock: a zstd context per
-        # store call cost ~25 us per call's first episode and its allocation.
-        self._compressor: Any = None
         self._archive = CellArchive(len(configuration.cell_fields))
         self._repository = TrajectoryRepository(configuration.repository_capacity_bytes)
         self._utilities = UtilityTable(configuration.utilities)
@@ -426,9 +423,7 @@ class TrajectoryStore:
                     if n and defer is not None:
                         repository.add_deferred(first_tid + i, defer(i), length, n)
                     elif n:
-                        if self._compressor is None:
-                            self._compressor = codec.compressor()
-                        repository.add(first_tid + i, encode(i, self._compressor), length, n)
+                        repository.add(first_tid + i, encode(i, repository.compressor), length, n)
                 ref = refs[i]
                 if ref is not None:
                     self._curriculum.count_midpoint_start(self._start_cell(ref))
