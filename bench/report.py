@@ -426,7 +426,7 @@ def details_section(results: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(
             f"- workload: zstd-1 wire/raw {wl['workload_wire_over_raw']:.3f} for the bench "
             f"generator vs {wl.get('synthetic_env_wire_over_raw', float('nan')):.3f} for "
-            "`recorder_server.synthetic.SyntheticVecEnv` (same statistics, looped)."
+            "`recorder_server.workload.SyntheticVecEnv` (same statistics, looped)."
         )
     lines.append("")
     return lines

@@ -1,6 +1,6 @@
 """The benchmark workload: (T, N) chunks shaped like a real collection call, made fast.
 
-Same distributions as `recorder_server.synthetic.SyntheticVecEnv` (int32 actions
+Same distributions as `recorder_server.workload.SyntheticVecEnv` (int32 actions
 in [0, 12), float32 rewards non-zero with probability 2%, done flags with a given
 probability, `player_positions` (T, N, 1, 2) int32 a random walk on a 64x64 grid,
 `player_inventory` (T, N, 1, 16) int32 slowly increasing counts that restart at
@@ -173,7 +173,7 @@ def compression_check(level: int = 1, seed: int = 0) -> dict[str, float]:
     ours = make_pool(2, seed=seed)[1]
     out = {"workload_wire_over_raw": ratio(ours.arrays)}
     try:
-        from recorder_server.synthetic import SyntheticVecEnv
+        from recorder_server.workload import SyntheticVecEnv
     except ImportError:
         return out
     env = SyntheticVecEnv(256, seed=seed)

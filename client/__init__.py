@@ -1,32 +1,41 @@
 """Rollout Recorder client: record rollout chunks into a recorder server.
 
-Imports only grpcio, protobuf, numpy and zstandard.
+Imports only grpcio, protobuf, numpy and zstandard. Names load on first use, so that the
+plain types (``capture_types``) and the wire rules the server shares load without gRPC.
 """
 
-from .capture import Episode, RemoteCapture
-from .capture_types import (
-    CellField,
-    CheckpointFile,
-    EpisodeOutcome,
-    OutcomeRule,
-    TrajectoryKey,
-    TrajectorySliceReference,
-    TrajectoryTrainingConfiguration,
-    UtilityConfig,
-)
-from .errors import (
-    AuthenticationError,
-    InvalidChunkError,
-    NoDataError,
-    RecorderError,
-    RecorderUnavailableError,
-    ResourceExhaustedError,
-    SessionMismatchError,
-)
-from .recorder import RolloutRecorder
-from .trajectory import Trajectory
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "AuthenticationError": "errors",
+    "CellField": "capture_types",
+    "CheckpointFile": "capture_types",
+    "Episode": "capture",
+    "EpisodeOutcome": "capture_types",
+    "InvalidChunkError": "errors",
+    "NoDataError": "errors",
+    "OutcomeRule": "capture_types",
+    "RecorderError": "errors",
+    "RecorderUnavailableError": "errors",
+    "RemoteCapture": "capture",
+    "ResourceExhaustedError": "errors",
+    "RolloutRecorder": "recorder",
+    "SessionMismatchError": "errors",
+    "SessionStatus": "status",
+    "StreamStats": "_stream",
+    "Trajectory": "trajectory",
+    "TrajectoryKey": "capture_types",
+    "TrajectorySliceReference": "capture_types",
+    "TrajectoryTrainingConfiguration": "capture_types",
+    "UtilityConfig": "capture_types",
+    "WorkerStatus": "status",
+}
 
 __all__ = [
     "AuthenticationError",
@@ -34,19 +43,62 @@ __all__ = [
     "CheckpointFile",
     "Episode",
     "EpisodeOutcome",
+    "InvalidChunkError",
+    "NoDataError",
     "OutcomeRule",
+    "RecorderError",
+    "RecorderUnavailableError",
     "RemoteCapture",
+    "ResourceExhaustedError",
+    "RolloutRecorder",
+    "SessionMismatchError",
+    "SessionStatus",
+    "StreamStats",
+    "Trajectory",
     "TrajectoryKey",
     "TrajectorySliceReference",
     "TrajectoryTrainingConfiguration",
     "UtilityConfig",
-    "InvalidChunkError",
-    "NoDataError",
-    "RecorderError",
-    "RecorderUnavailableError",
-    "ResourceExhaustedError",
-    "RolloutRecorder",
-    "SessionMismatchError",
-    "Trajectory",
+    "WorkerStatus",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from ._stream import StreamStats
+    from .capture import Episode, RemoteCapture
+    from .capture_types import (
+        CellField,
+        CheckpointFile,
+        EpisodeOutcome,
+        OutcomeRule,
+        TrajectoryKey,
+        TrajectorySliceReference,
+        TrajectoryTrainingConfiguration,
+        UtilityConfig,
+    )
+    from .errors import (
+        AuthenticationError,
+        InvalidChunkError,
+        NoDataError,
+        RecorderError,
+        RecorderUnavailableError,
+        ResourceExhaustedError,
+        SessionMismatchError,
+    )
+    from .recorder import RolloutRecorder
+    from .status import SessionStatus, WorkerStatus
+    from .trajectory import Trajectory

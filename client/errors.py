@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from ._wire import ERROR_KIND_KEY
+
 
 class RecorderError(Exception):
     """Base class of every error the recorder client raises."""
@@ -33,8 +35,7 @@ class AuthenticationError(RecorderError, PermissionError):
     """The server refused the call's credentials."""
 
 
-# The server tags a few refusals in trailing metadata so the client can pick the class.
-ERROR_KIND_KEY = "rr-error-kind"
+# The server tags every refusal with its kind in trailing metadata; a few pick the class.
 _BY_KIND: dict[str, type[RecorderError]] = {
     "session_mismatch": SessionMismatchError,
     "no_data": NoDataError,

@@ -13,26 +13,25 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import grpc
 import numpy as np
 
-from . import codec
+from . import _wire
+from ._connection import Connection
+from ._credentials import PemSource
+from ._launch import EmbeddedServer
+from ._messages import array_from_proto, file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
-from ._proto import recorder_pb2_grpc as pb_grpc
-from .capture import RemoteCapture, file_parts, join_parts
+from ._stream import ChunkSender, PendingChunk, StreamStats
+from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
-from .credentials import PemSource, make_channel
-from .embedded import EmbeddedServer
-from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
-from .naming import check_state_fields
-from .stream import ChunkSender, PendingChunk
+from .errors import InvalidChunkError, RecorderError
+from .status import SessionStatus
 from .trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
 TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
 DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
-_MESSAGE_CAP = 256 << 20
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -98,18 +97,14 @@ class RolloutRecorder:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
         self.max_episodes = None if max_episodes is None else int(max_episodes)
         self.record_states = bool(record_states)
-        self.state_fields = check_state_fields(state_fields)
+        self.state_fields = _wire.check_state_fields(state_fields)
         if capture is not None and not isinstance(capture, TrajectoryTrainingConfiguration):
             raise ValueError(
                 f"capture: expected a TrajectoryTrainingConfiguration or None, got {capture!r}"
             )
         self.capture_config = capture
-        #: The session's trajectory store, called remotely (see RemoteCapture).
-        self.capture = RemoteCapture(self)
         self.session = session
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._rpc_timeout = rpc_timeout
-        self._connect_timeout = connect_timeout
         self._block = on_backpressure == "block"
         self._lock = threading.Lock()
         self._sequence = 0
@@ -117,28 +112,26 @@ class RolloutRecorder:
         self._signature: tuple | None = None
         self._closed = False
         self._embedded: EmbeddedServer | None = None
+        self._connection: Connection | None = None
 
         target = target or os.environ.get(TARGET_ENV) or None
         if target is None:
             self._embedded = EmbeddedServer()
-            target = self._embedded.target
+            target = self._embedded.address
         self.target = target
         try:
-            self._channel = make_channel(
+            self._connection = Connection(
                 target,
                 token=token,
                 root_certificates=root_certificates,
                 client_certificate=client_certificate,
                 client_key=client_key,
-                options=[
-                    ("grpc.max_receive_message_length", _MESSAGE_CAP),
-                    ("grpc.max_send_message_length", _MESSAGE_CAP),
-                ],
+                rpc_timeout=rpc_timeout,
+                connect_timeout=connect_timeout,
             )
-            self._stub = pb_grpc.RecorderStub(self._channel)
             self._sequence = self._join()
             self._sender = ChunkSender(
-                stub_factory=lambda: self._stub,
+                connection=self._connection,
                 join=self._join,
                 session=session,
                 worker_id=self.worker_id,
@@ -150,6 +143,8 @@ class RolloutRecorder:
         except BaseException:
             self._shutdown_transport()
             raise
+        #: The session's trajectory store, called remotely (see RemoteCapture).
+        self.capture = RemoteCapture(self._connection, session, self.flush)
         self._finalizer = weakref.finalize(self, _close_quietly, weakref.ref(self))
         atexit.register(self._finalizer)
 
@@ -166,24 +161,10 @@ class RolloutRecorder:
         request = pb.JoinRequest(
             session=self.session, config=self._config(), worker_id=self.worker_id
         )
-        try:
-            # wait_for_ready rides out a server that is still starting, up to the timeout.
-            reply = self._stub.Join(request, timeout=self._connect_timeout, wait_for_ready=True)
-        except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise RecorderUnavailableError(
-                    f"recorder server at {self.target} unreachable within "
-                    f"{self._connect_timeout}s ({err.details()})"
-                ) from None
-            raise from_rpc_error(err, self.target) from None
+        # Waits for a server still starting, up to connect_timeout.
+        reply = self._connection.connect("Join", request)
         self.worker_index = reply.worker_index
         return int(reply.last_sequence)
-
-    def _unary(self, method: Any, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return method(request, timeout=timeout or self._rpc_timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -288,7 +269,7 @@ class RolloutRecorder:
                     f"trajectories.outcome: expected integer codes, got dtype {dtype}"
                 )
             try:
-                codec.check_dtype(dtype, label)
+                _wire.check_dtype(dtype, label)
             except ValueError as exc:
                 raise InvalidChunkError(str(exc)) from None
         # Outcome codes are optional chunk by chunk; everything else must stay the same.
@@ -334,9 +315,16 @@ class RolloutRecorder:
         self._sender.flush(timeout)
         self._raise_async_errors()
 
-    def status(self) -> pb.StatusReply:
+    def status(self) -> SessionStatus:
+        """The session's counters and its workers', as the server has them now."""
         self._check_open()
-        return self._unary(self._stub.GetStatus, pb.StatusRequest(session=self.session))
+        reply = self._connection.call("GetStatus", pb.StatusRequest(session=self.session))
+        return session_status(reply)
+
+    @property
+    def stats(self) -> StreamStats:
+        """This worker's stream: chunks sent, acknowledged and dropped, bytes, reconnects."""
+        return self._sender.snapshot()
 
     @property
     def is_full(self) -> bool:
@@ -362,24 +350,18 @@ class RolloutRecorder:
         """
         self.flush()
         request = pb.FinishRequest(session=self.session, pad_incomplete=bool(pad_incomplete))
-        try:
-            parts = self._stub.Finish(request, timeout=self._rpc_timeout)
-            return _assemble(parts)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
+        return _assemble(self._connection.download("Finish", request))
 
     def runtime_state(self) -> bytes:
         """The session's whole state (configuration, workers, sequence numbers, chunks,
         open episodes, counters, store) as bytes to keep in the trainer's own checkpoint."""
         self.flush()
-        try:
-            parts = self._stub.GetRuntimeState(
-                pb.RuntimeStateRequest(session=self.session), timeout=self._rpc_timeout
-            )
-            file = join_parts(parts)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
-        assert file is not None and file.data is not None
+        parts = self._connection.download(
+            "GetRuntimeState", pb.RuntimeStateRequest(session=self.session)
+        )
+        file = join_parts(parts)
+        if file is None or file.data is None:
+            raise RecorderError("GetRuntimeState: the server sent no state")
         return file.data
 
     def load_runtime_state(self, state: bytes) -> None:
@@ -388,13 +370,9 @@ class RolloutRecorder:
         Load before workers stream into the session; the server checkpoints it at once.
         """
         self.flush()
-        try:
-            self._stub.LoadRuntimeState(
-                file_parts(self.session, f"{self.session}.state", bytes(state)),
-                timeout=self._rpc_timeout,
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
+        self._connection.upload(
+            "LoadRuntimeState", file_parts(self.session, f"{self.session}.state", bytes(state))
+        )
         # This worker's place and sequence come from the loaded state now.
         self._sequence = self._join()
         self._sender.is_full = bool(self.status().is_full)
@@ -402,12 +380,12 @@ class RolloutRecorder:
     def checkpoint(self) -> str:
         """Ask the server to checkpoint every session now; returns the file's path."""
         self.flush()
-        return self._unary(self._stub.Checkpoint, pb.CheckpointRequest()).path
+        return self._connection.call("Checkpoint", pb.CheckpointRequest()).path
 
     def reset(self) -> None:
         """Drop every stored chunk of the session; the configuration stays."""
         self.flush()
-        self._unary(self._stub.Reset, pb.ResetRequest(session=self.session))
+        self._connection.call("Reset", pb.ResetRequest(session=self.session))
         self._sender.is_full = False
         self._sender.num_recorded_steps = 0
         self._schema = None
@@ -431,9 +409,8 @@ class RolloutRecorder:
             atexit.unregister(self._finalizer)
 
     def _shutdown_transport(self) -> None:
-        channel = getattr(self, "_channel", None)
-        if channel is not None:
-            channel.close()
+        if self._connection is not None:
+            self._connection.close()
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
@@ -469,7 +446,7 @@ def _assemble(parts: Any) -> Trajectory:
             header = part.header
             lengths = np.asarray(header.lengths, dtype=np.int64)
             outputs = [
-                np.zeros(tuple(f.shape), dtype=codec.parse_dtype(f.dtype, f"fields[{f.name!r}]"))
+                np.zeros(tuple(f.shape), dtype=_wire.parse_dtype(f.dtype, f"fields[{f.name!r}]"))
                 for f in header.fields
             ]
             continue
@@ -482,7 +459,7 @@ def _assemble(parts: Any) -> Trajectory:
             raise RecorderError(
                 f"Finish: part for rows {lo}:{hi} of field {ap.field} is out of range"
             )
-        flat = codec.decode_array(ap.array, "Finish part")
+        flat = array_from_proto(ap.array, "Finish part")
         row_lengths = lengths[lo:hi].tolist()
         if flat.shape[0] != sum(row_lengths) or flat.dtype != out.dtype:
             raise RecorderError(

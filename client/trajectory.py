@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .naming import RESERVED_NAMES
+from ._wire import RESERVED_NAMES
 
 _META = ("lengths", "episode_worker", "episode_env", "episode_start", "episode_done")
 

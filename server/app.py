@@ -1,12 +1,16 @@
-"""Build and start the gRPC server."""
+"""Build, start and stop the server: gRPC on an asyncio loop of its own, the core beside it.
+
+`start_server` returns once the server accepts calls (after recovery); `RunningServer.stop`
+drains, writes a last checkpoint and releases everything, from any thread.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent import futures
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -14,76 +18,123 @@ from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .durability import Durability, DurabilityOptions, RecoveryReport
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
-from .security import (
+from .rpc.offload import Offload, default_threads
+from .rpc.security import (
     RECORDER_SERVICE_NAME,
+    Health,
     TokenAuthInterceptor,
     add_standard_services,
     load_token,
     server_credentials,
-    set_serving,
 )
-from .service import RecorderService, ServiceLimits
+from .rpc.servicer import RecorderServicer
+from .sessions import ServiceLimits, Sessions
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
+# Control calls (finish, status, store verbs, checkpoints) have a small pool of their own.
+_CONTROL_THREADS = 4
+_CONTROL_QUEUE = 256
 
 
 @dataclass(frozen=True)
 class ServerOptions:
     """Everything `rollout-recorder serve` can set."""
 
-    # HOST:PORT (port 0 picks a free one) or unix:PATH. Loopback unless told otherwise.
     listen: str = DEFAULT_LISTEN
-    # Where sessions keep their files.
+    """HOST:PORT (port 0 picks a free one) or unix:PATH. Loopback unless told otherwise."""
     data_dir: str = "./recorder-data"
-    # Handler threads; each open Record stream holds one.
-    threads: int = 64
-    # Largest gRPC message accepted or sent.
+    """Where sessions keep their files."""
+    threads: int = 0
+    """Ingest threads (decode, split, log, queue for the store); 0: sized to the machine."""
+    queue: int = 0
+    """Chunks waiting for an ingest thread beyond those running; 0: as many as threads."""
     max_message_bytes: int = 256 << 20
+    """Largest gRPC message accepted or sent."""
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    # False: keep no metrics at all (the baseline the metrics cost is measured against).
     metrics_enabled: bool = True
-    # HOST:PORT for the Prometheus endpoint, or None for no endpoint.
+    """False: keep no metrics at all (the baseline the metrics cost is measured against)."""
     metrics_listen: str | None = None
-    # File holding the token every call must carry; None: no token required.
+    """HOST:PORT for the Prometheus endpoint, or None for no endpoint."""
     token_file: str | None = None
-    # PEM certificate chain and private key: serve TLS instead of plaintext.
+    """File holding the token every call must carry; None: no token required."""
     tls_cert: str | None = None
+    """PEM certificate chain: serve TLS instead of plaintext (with tls_key)."""
     tls_key: str | None = None
-    # PEM CA that client certificates must chain to (mutual TLS; needs tls_cert).
     tls_client_ca: str | None = None
-    # Write-ahead log, checkpoints and recovery in data_dir.
+    """PEM CA that client certificates must chain to (mutual TLS; needs tls_cert)."""
     durability: DurabilityOptions = field(default_factory=DurabilityOptions)
+    """Write-ahead log, checkpoints and recovery in data_dir."""
 
 
-@dataclass
 class RunningServer:
-    server: grpc.Server
-    service: RecorderService
-    address: str
-    metrics_address: str | None = None
-    # The grpc.health.v1 servicer (None without grpcio-health-checking).
-    health: Any = None
-    durability: Durability | None = None
-    recovery: RecoveryReport | None = None
+    """A started server; `stop()` ends it."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        server: grpc.aio.Server,
+        sessions: Sessions,
+        metrics,
+        address: str,
+        pools: tuple[Offload, Offload],
+        *,
+        metrics_address: str | None = None,
+        health: Health | None = None,
+        durability: Durability | None = None,
+        recovery: RecoveryReport | None = None,
+    ) -> None:
+        self._loop = loop
+        self._thread = thread
+        self.server = server
+        self.sessions = sessions
+        self.metrics = metrics
+        self.address = address
+        self.metrics_address = metrics_address
+        self.health = health
+        self.durability = durability
+        self.recovery = recovery
+        self._pools = pools
+        self._stopped = False
+
+    def set_serving(self, serving: bool) -> None:
+        """What grpc.health.v1 answers for the server and the recorder service (a server
+        that serves calls but says NOT_SERVING is drained by load balancers)."""
+        if self.health is not None:
+            asyncio.run_coroutine_threadsafe(self.health.set_serving(serving), self._loop).result()
 
     def stop(self, grace: float | None = 5.0, *, checkpoint: bool = True) -> None:
-        """Drain, write a last checkpoint, and release everything."""
-        set_serving(self.health, False)  # draining: health answers NOT_SERVING
-        self.server.stop(grace).wait()
+        """Refuse new calls, let running ones finish for ``grace`` seconds (then cancel them),
+        write a last checkpoint and release everything."""
+        if self._stopped:
+            return
+        self._stopped = True
         try:
-            if self.durability is not None:
-                if checkpoint:
-                    try:
-                        self.durability.checkpoint(self.service)
-                    except OSError as exc:
-                        logger.error("final checkpoint failed (the log still has it): %s", exc)
-                self.durability.close()
+            asyncio.run_coroutine_threadsafe(self._stop_serving(grace), self._loop).result()
         finally:
-            self.service.close()
-            self.service.metrics.close()
+            for pool in self._pools:
+                pool.shutdown()
+            try:
+                if self.durability is not None:
+                    if checkpoint:
+                        try:
+                            self.durability.checkpoint(self.sessions)
+                        except OSError as exc:
+                            logger.error("final checkpoint failed (the log still has it): %s", exc)
+                    self.durability.close()
+            finally:
+                self.sessions.close()
+                self.metrics.close()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+
+    async def _stop_serving(self, grace: float | None) -> None:
+        if self.health is not None:
+            await self.health.set_serving(False)  # draining: health answers NOT_SERVING
+        await self.server.stop(grace)
 
 
 def bound_address(listen: str, port: int) -> str:
@@ -94,39 +145,85 @@ def bound_address(listen: str, port: int) -> str:
 
 
 def start_server(options: ServerOptions) -> RunningServer:
+    """Start a server as `options` say; returns once it accepts calls."""
     Path(options.data_dir).mkdir(parents=True, exist_ok=True)
     if (options.tls_cert is None) != (options.tls_key is None):
         raise ValueError("--tls-cert and --tls-key: expected both or neither")
     if options.tls_client_ca is not None and options.tls_cert is None:
         raise ValueError("--tls-client-ca: expected --tls-cert and --tls-key with it")
-    interceptors = []
-    if options.token_file is not None:
-        interceptors.append(TokenAuthInterceptor(load_token(options.token_file)))
+    token = None if options.token_file is None else load_token(options.token_file)
     credentials = None
     if options.tls_cert is not None:
         credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
     metrics = MetricsTracker(options.metrics) if options.metrics_enabled else NullMetrics()
     metrics_address = None
-    if options.metrics_listen:
-        host, _, port = options.metrics_listen.rpartition(":")
-        bound_host, bound_port = metrics.start_http(host or "127.0.0.1", int(port))
-        metrics_address = f"{bound_host}:{bound_port}"
     durability = None
-    if options.durability.enabled:
-        durability = Durability(options.data_dir, options.durability)
-    service = RecorderService(options.limits, metrics, durability)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=options.threads, thread_name_prefix="recorder"),
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="recorder-rpc", daemon=True)
+    try:
+        if options.metrics_listen:
+            host, _, port = options.metrics_listen.rpartition(":")
+            bound_host, bound_port = metrics.start_http(host or "127.0.0.1", int(port))
+            metrics_address = f"{bound_host}:{bound_port}"
+        if options.durability.enabled:
+            durability = Durability(options.data_dir, options.durability)
+        sessions = Sessions(
+            options.limits, metrics, None if durability is None else durability.journal
+        )
+        threads = options.threads or default_threads()
+        pools = (
+            Offload(threads, options.queue or threads, "recorder-ingest"),
+            Offload(_CONTROL_THREADS, _CONTROL_QUEUE, "recorder-control"),
+        )
+        thread.start()
+        started = asyncio.run_coroutine_threadsafe(
+            _serve(options, sessions, metrics, durability, pools, token, credentials), loop
+        )
+        server, address, health, recovery = started.result()
+    except BaseException:
+        if durability is not None:
+            durability.close()
+        metrics.close()
+        if thread.is_alive():
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+        raise
+    return RunningServer(
+        loop,
+        thread,
+        server,
+        sessions,
+        metrics,
+        address,
+        pools,
+        metrics_address=metrics_address,
+        health=health,
+        durability=durability,
+        recovery=recovery,
+    )
+
+
+async def _serve(
+    options: ServerOptions,
+    sessions: Sessions,
+    metrics,
+    durability: Durability | None,
+    pools: tuple[Offload, Offload],
+    token: str | None,
+    credentials: grpc.ServerCredentials | None,
+) -> tuple[grpc.aio.Server, str, Health | None, RecoveryReport | None]:
+    server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
-        maximum_concurrent_rpcs=options.threads * 4,
-        interceptors=interceptors,
+        interceptors=[] if token is None else [TokenAuthInterceptor(token)],
     )
-    pb_grpc.add_RecorderServicer_to_server(service, server)
-    health = add_standard_services(server, [RECORDER_SERVICE_NAME])
+    ingest, control = pools
+    servicer = RecorderServicer(sessions, metrics, durability, ingest=ingest, control=control)
+    pb_grpc.add_RecorderServicer_to_server(servicer, server)
+    health = await add_standard_services(server, [RECORDER_SERVICE_NAME])
     try:
         if credentials is not None:
             port = server.add_secure_port(options.listen, credentials)
@@ -138,15 +235,18 @@ def start_server(options: ServerOptions) -> RunningServer:
         raise OSError(f"cannot listen on {options.listen!r}")
     recovery = None
     if durability is not None:
-        # Bound but not serving yet: calls wait until the recovered state is in place.
-        recovery = durability.recover(service)
+        # Bound but not serving yet: recovery runs before the first call is taken.
+        recovery = await asyncio.get_running_loop().run_in_executor(
+            None, durability.recover, sessions
+        )
         # A fresh data directory is not news; anything recovered, skipped or dropped is.
         level = logging.WARNING if recovery.notable else logging.INFO
         for line in recovery.lines():
             logger.log(level, "recovery: %s", line)
-        durability.start_timer(service)
-    server.start()
-    set_serving(health, True)
+        durability.start_timer(sessions)
+    await server.start()
+    if health is not None:
+        await health.set_serving(True)
     address = bound_address(options.listen, port)
     logger.info("listening on %s", address)
-    return RunningServer(server, service, address, metrics_address, health, durability, recovery)
+    return server, address, health, recovery

@@ -13,34 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recorder_client.naming import trajectory_name
+from recorder_client._wire import trajectory_name
 
-
-@dataclass(frozen=True)
-class EncodedArray:
-    """An array held in its wire encoding; `decode` gives it back."""
-
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    codec: int
-    data: bytes
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-    def decode(self) -> np.ndarray:
-        from recorder_client import codec
-        from recorder_client._proto import recorder_pb2 as pb
-
-        msg = pb.ArrayData(
-            dtype=self.dtype.str,
-            shape=self.shape,
-            raw_size=self.nbytes,
-            codec=self.codec,
-            data=self.data,
-        )
-        return codec.decode_array(msg, "stored")
+from .chunks import EncodedArray, Schema
 
 
 @dataclass
@@ -51,6 +26,10 @@ class StoredChunk:
     length: int
     arrays: dict[str, EncodedArray]  # "action", "reward", "done", "state:<name>"
     wire_bytes: int
+
+    def spans(self, start: int, end: int) -> bool:
+        """Whether any of steps start..end-1 lie in this chunk."""
+        return self.t0 < end and start < self.t0 + self.length
 
 
 @dataclass
@@ -69,7 +48,10 @@ class EpisodeTable:
 
 
 class WorkerTimeline:
-    """The time axis of one worker: stored chunks and finished episodes per env."""
+    """The time axis of one worker: stored chunks and finished episodes per env.
+
+    The one owner of where each environment's open episode starts (``open_start``).
+    """
 
     def __init__(self, worker_id: str, index: int) -> None:
         self.worker_id = worker_id
@@ -78,7 +60,6 @@ class WorkerTimeline:
 
     def clear(self) -> None:
         self.num_envs: int | None = None
-        self.state_names: tuple[str, ...] | None = None
         self.chunks: list[StoredChunk] = []
         self.t_total = 0
         self.open_start: np.ndarray | None = None  # (N,) start of each env's open tail
@@ -127,6 +108,12 @@ class WorkerTimeline:
         self.raw_bytes += sum(a.nbytes for a in arrays.values())
         self.wire_bytes += wire_bytes
         return env, start, end
+
+    def oldest_open(self) -> int:
+        """The first step some open episode still needs (t_total when none is open)."""
+        if self.open_start is None or not self.open_start.size:
+            return self.t_total
+        return int(self.open_start.min())
 
     def episodes(
         self, pad_incomplete: bool
@@ -234,7 +221,7 @@ def assemble(
     *,
     pad_incomplete: bool,
     max_episodes: int | None,
-    schema: dict[str, tuple[np.dtype, tuple[int, ...]]],
+    schema: Schema,
     state_order: list[str],
 ) -> Assembly:
     """Plan the padded result: which episode goes to which row, and the fields."""

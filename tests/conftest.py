@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from recorder_server import ServerOptions, start_server
+from recorder_client import _launch
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
@@ -23,6 +22,8 @@ if str(TESTS) not in sys.path:
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator:
     """An in-process server on 127.0.0.1, port 0."""
+    from recorder_server import ServerOptions, start_server
+
     running = start_server(ServerOptions(listen="127.0.0.1:0", data_dir=str(tmp_path / "data")))
     try:
         yield running
@@ -35,42 +36,13 @@ def target(server) -> str:
     return server.address
 
 
-class ServerProcess:
-    """`rollout-recorder serve` as a child process; `address` is what it printed."""
+class ServerProcess(_launch.ServerProcess):
+    """`rollout-recorder serve` as a child process on 127.0.0.1, port 0; `address` is where
+    it listens."""
 
     def __init__(self, data_dir: Path, *extra: str) -> None:
         self.data_dir = data_dir
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "recorder_server",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(data_dir),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line.startswith("rollout-recorder listening on "), line
-        self.address = line.rsplit(" ", 1)[1].strip()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.stdout:
-            self.process.stdout.close()
-        return self.process.returncode
+        super().__init__(["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), *extra])
 
 
 @pytest.fixture
@@ -119,6 +91,20 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+def child_pids(pid: int | None = None) -> list[int]:
+    """The direct children of a process (this one by default), from /proc."""
+    pid = os.getpid() if pid is None else pid
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.extend(
+                int(p) for p in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+            )
+        except OSError:
+            continue
+    return out
 
 
 def pid_alive(pid: int) -> bool:

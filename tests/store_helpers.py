@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from recorder_client.capture_types import EpisodeOutcome
-from recorder_server.store import EpisodeArrays
+from recorder_server.store import (
+    EpisodeArrays,
+    EpisodeBatch,
+    EpisodeColumns,
+    EpisodeSource,
+    EpisodeWindow,
+    TrajectoryStore,
+)
+from recorder_server.store.repository import blob_bound
 
 WIN, LOSS, DRAW = EpisodeOutcome.WIN, EpisodeOutcome.LOSS, EpisodeOutcome.DRAW
+FORMS = ("list", "batch", "columns", "window")
 
 
 def episode(pos, rewards=None) -> EpisodeArrays:
@@ -19,3 +30,64 @@ def episode(pos, rewards=None) -> EpisodeArrays:
         rewards=np.asarray(rewards, dtype=np.float32),
         states={"pos": pos},
     )
+
+
+class HeldEpisode:
+    """A repository.DeferredEpisode over an episode held in memory; counts its fetches."""
+
+    def __init__(self, episode: EpisodeArrays, group: object, first: int, fetches: list) -> None:
+        self.episode, self.group, self.first, self.fetches = episode, group, first, fetches
+        self.length = episode.length
+        arrays = {"actions": episode.actions, "rewards": episode.rewards}
+        arrays.update({"state/" + k: v for k, v in episode.states.items()})
+        self.bound = blob_bound(
+            [
+                (k, a.dtype.str, a.shape[1:], a.dtype.itemsize * math.prod(a.shape[1:]))
+                for k, a in arrays.items()
+            ],
+            episode.length,
+        )
+
+    def fetch(self, cache: dict) -> EpisodeArrays:
+        self.fetches.append(self.first)
+        return self.episode
+
+
+def as_form(
+    form: str, episodes: list[EpisodeArrays], store: TrajectoryStore, fetches: list | None = None
+) -> EpisodeSource | list[EpisodeArrays]:
+    """The episodes as the given form: a plain list, an EpisodeBatch, an EpisodeColumns, or an
+    EpisodeWindow (one ring row per episode, its steps wrapping around the ring's end; window
+    rewards must share one float dtype). ``fetches`` collects the episodes fetched."""
+    fetches = [] if fetches is None else fetches
+    if form == "list":
+        return list(episodes)
+    if form == "batch":
+        return EpisodeBatch.from_episodes(episodes)
+    columns = [store.step_columns(e.states, e.length) for e in episodes]
+    lengths = np.array([e.length for e in episodes], dtype=np.int64)
+    if form == "columns":
+
+        def fetch(i: int) -> EpisodeArrays:
+            fetches.append(i)
+            return episodes[i]
+
+        return EpisodeColumns(
+            np.concatenate([e.rewards for e in episodes]),
+            np.concatenate(columns, axis=1),
+            lengths,
+            fetch,
+        )
+    assert form == "window", form
+    (reward_type,) = {e.rewards.dtype for e in episodes}
+    capacity = max(int(lengths.max(initial=0)), 1)
+    key_ring = np.full((len(store.key_names), len(episodes), capacity), -7, dtype=np.int64)
+    reward_ring = np.full((len(episodes), capacity), np.nan, dtype=reward_type)
+    start = np.arange(len(episodes), dtype=np.int64) * 3 + 5
+    for i, (e, c) in enumerate(zip(episodes, columns, strict=True)):
+        at = (start[i] + np.arange(e.length)) % capacity
+        key_ring[:, i, at] = c
+        reward_ring[i, at] = e.rewards
+    held = [HeldEpisode(e, episodes, i, fetches) for i, e in enumerate(episodes)]
+    env = np.arange(len(episodes), dtype=np.int64)
+    return EpisodeWindow(key_ring, reward_ring, env, start, lengths, held.__getitem__)

@@ -19,7 +19,7 @@ from recorder_client import (
     UtilityConfig,
 )
 from recorder_server.store import EpisodeArrays, TrajectoryStore
-from recorder_server.synthetic import SyntheticVecEnv
+from recorder_server.workload import SyntheticVecEnv
 
 CONFIG = TrajectoryTrainingConfiguration(
     cell_fields=(

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from recorder_server import checkpoint as ckpt
-from recorder_server.checkpoint import (
+from recorder_server.durability import checkpoint as ckpt
+from recorder_server.durability import files
+from recorder_server.durability.checkpoint import (
     CheckpointCorruptError,
     CheckpointDirectory,
     CheckpointError,
@@ -176,13 +177,14 @@ def test_failed_write_keeps_previous_checkpoint(
 ) -> None:
     path = tmp_path / "c.rrc"
     write_checkpoint(path, b"previous", compress=False)
-    real_write_all = ckpt._write_all
+    real_write_all = files.write_all
 
-    def half_then_enospc(fd: int, data: bytes) -> None:
-        real_write_all(fd, data[: len(data) // 2])
+    def half_then_enospc(fd: int, parts: list[bytes]) -> None:
+        real_write_all(fd, [parts[0][: len(parts[0]) // 2]])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(ckpt, "_write_all", half_then_enospc)
+    # The one place durability writes go through: a torn write and a full disk injected.
+    monkeypatch.setattr(files, "write_all", half_then_enospc)
     with pytest.raises(OSError) as caught:
         write_checkpoint(path, PAYLOAD, compress=False)
     assert caught.value.errno == errno.ENOSPC

@@ -30,9 +30,9 @@ import pytest
 import yaml
 
 from recorder_client import AuthenticationError, RolloutRecorder
+from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
-from recorder_client.credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,8 @@ from conftest import mounted_tmpfs, wait_for
 from reference_model import ReferenceRecorder
 
 from recorder_client import ResourceExhaustedError, RolloutRecorder
-from recorder_server.synthetic import SyntheticVecEnv
+from recorder_client._launch import ServerProcess
+from recorder_server.workload import SyntheticVecEnv
 
 FIELDS = ["player_positions", "player_inventory"]
 
@@ -36,46 +36,25 @@ class Server:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.extra = extra
-        self.proc: subprocess.Popen | None = None
+        self.process: ServerProcess | None = None
         self.stderr_path = data_dir.parent / f"server-{self.port}.log"
 
     def start(self) -> Server:
         self.log = open(self.stderr_path, "a")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "recorder_server",
-                "serve",
-                "--listen",
-                self.address,
-                "--data-dir",
-                str(self.data_dir),
-                "--checkpoint-every",
-                "0",
-                *self.extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
+        args = ["--listen", self.address, "--data-dir", str(self.data_dir)]
+        self.process = ServerProcess(
+            [*args, "--checkpoint-every", "0", *self.extra], stderr=self.log
         )
-        line = self.proc.stdout.readline()
-        assert line.startswith("rollout-recorder listening on"), line
         return self
 
     def kill9(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.proc.stdout.close()
+        self.process.kill()
         self.log.close()
 
     def stop(self) -> int:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
-            self.proc.stdout.close()
-            self.log.close()
-        return self.proc.returncode
+        code = self.process.stop(30)
+        self.log.close()
+        return code
 
     def stderr(self) -> str:
         return self.stderr_path.read_text()
@@ -92,16 +71,15 @@ def durable(tmp_path):
 
     yield make
     for server in servers:
-        if server.proc and server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
+        if server.process is not None and server.process.alive():
+            server.process.kill()
 
 
 WORKER = textwrap.dedent(
     """
     import sys, time
     from recorder_client import RolloutRecorder
-    from recorder_server.synthetic import SyntheticVecEnv
+    from recorder_server.workload import SyntheticVecEnv
     target, seed, chunks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     env = SyntheticVecEnv(8, seed=seed, done_prob=0.02)
     with RolloutRecorder(record_states=True, state_fields={fields!r}, target=target,

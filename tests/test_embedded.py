@@ -8,16 +8,16 @@ import sys
 import textwrap
 
 import numpy as np
-from conftest import pid_alive, wait_for
+from conftest import child_pids, pid_alive, wait_for
 
 from recorder_client import RolloutRecorder
 
 
 def test_embedded_records_finishes_and_leaves_nothing(monkeypatch):
     monkeypatch.delenv("ROLLOUT_RECORDER_TARGET", raising=False)
+    before = set(child_pids())
     rec = RolloutRecorder(max_episodes=3)
-    assert rec._embedded is not None
-    pid = rec._embedded.process.pid
+    (pid,) = set(child_pids()) - before  # the private server process
     socket_dir = os.path.dirname(rec.target.removeprefix("unix:"))
     assert rec.target.startswith("unix:") and pid_alive(pid)
     done = np.zeros((4, 2), bool)
@@ -32,8 +32,9 @@ def test_embedded_records_finishes_and_leaves_nothing(monkeypatch):
 
 def test_env_var_target_is_used(monkeypatch, target):
     monkeypatch.setenv("ROLLOUT_RECORDER_TARGET", target)
+    before = set(child_pids())
     with RolloutRecorder() as rec:
-        assert rec.target == target and rec._embedded is None
+        assert rec.target == target and set(child_pids()) == before
 
 
 def test_embedded_server_stops_when_its_parent_is_killed(tmp_path):
@@ -44,7 +45,7 @@ def test_embedded_server_stops_when_its_parent_is_killed(tmp_path):
         os.environ.pop("ROLLOUT_RECORDER_TARGET", None)
         from recorder_client import RolloutRecorder
         rec = RolloutRecorder()
-        print(rec._embedded.process.pid, flush=True)
+        print(open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()[0], flush=True)
         time.sleep(600)
         """
     )
@@ -64,7 +65,7 @@ def test_exit_without_close_stops_the_server():
         os.environ.pop("ROLLOUT_RECORDER_TARGET", None)
         from recorder_client import RolloutRecorder
         rec = RolloutRecorder()
-        print(rec._embedded.process.pid, flush=True)
+        print(open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()[0], flush=True)
         """
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

@@ -11,7 +11,7 @@ from conftest import wait_for
 from reference_model import ReferenceRecorder
 
 from recorder_client import RolloutRecorder
-from recorder_server.synthetic import SyntheticVecEnv
+from recorder_server.workload import SyntheticVecEnv
 
 WORKERS = 8
 CHUNKS, T, N = 6, 32, 5
@@ -21,7 +21,7 @@ WORKER = textwrap.dedent(
     """
     import os, sys, time
     from recorder_client import RolloutRecorder
-    from recorder_server.synthetic import SyntheticVecEnv
+    from recorder_server.workload import SyntheticVecEnv
     target, index, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     rec = RolloutRecorder(record_states=True, state_fields={fields!r}, target=target,
                           session="many", worker_id=f"w{{index}}")

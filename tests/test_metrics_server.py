@@ -71,7 +71,7 @@ def test_prometheus_counters_match_what_was_sent_during_streaming(metrics_server
                 assert samples[("rollout_recorder_episodes_finished_total", label)] == sent_dones
                 wire = samples[("rollout_recorder_wire_bytes_total", label)]
                 assert 0 < wire < sent_raw + 200 * (i + 1)
-        assert rec._sender.stats.raw_bytes == sent_raw
+        assert rec.stats.raw_bytes == sent_raw
 
 
 def test_capture_counters_advance_at_every_boundary_with_the_store_off(target):

@@ -12,7 +12,7 @@ from strategies import multi_worker_scenarios, scenarios
 
 from recorder_client import RolloutRecorder
 from recorder_server import ServerOptions, start_server
-from recorder_server.service import ServiceLimits
+from recorder_server.sessions import ServiceLimits
 
 _names = itertools.count()
 

@@ -18,9 +18,9 @@ from recorder_client import (
     SessionMismatchError,
     Trajectory,
 )
+from recorder_client._messages import array_to_proto as encode_array
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
-from recorder_client.codec import encode_array
 
 
 def make_chunk(rng, T=6, N=3, P=None, done_p=0.25, adtype=np.int32, positions=True):

@@ -1,7 +1,7 @@
 """Token auth, TLS, health and reflection against real servers on 127.0.0.1, port 0.
 
-Each server is built here from grpc.server + RecorderService + the pieces of
-recorder_server.security, so these tests do not depend on how app.py wires them.
+Each server is started as `rollout-recorder serve` starts it (`start_server`), with a real
+token file and real PEM files.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import datetime
 import ipaddress
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -26,27 +25,26 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
-from recorder_client.credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
 from recorder_client.errors import (
     AuthenticationError,
     NoDataError,
     RecorderUnavailableError,
     from_rpc_error,
 )
-from recorder_server import health_cli
-from recorder_server.security import (
+from recorder_server import RunningServer, ServerOptions, start_server
+from recorder_server.cli import health as health_cli
+from recorder_server.durability import DurabilityOptions
+from recorder_server.rpc.security import (
     MISSING_TOKEN,
     RECORDER_SERVICE_NAME,
     WRONG_TOKEN,
-    TokenAuthInterceptor,
-    add_standard_services,
     load_token,
     server_credentials,
-    set_serving,
 )
-from recorder_server.service import RecorderService, ServiceLimits
+from recorder_server.sessions import ServiceLimits
 
 TOKEN = "s3cret-T0ken_for.tests"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -60,49 +58,39 @@ def _no_token_in_env(monkeypatch):
 
 
 # -- servers -------------------------------------------------------------------
-@dataclass
-class Secured:
-    server: grpc.Server
-    service: RecorderService
-    health: Any
-    address: str
-
-    def stop(self) -> None:
-        self.server.stop(0).wait()
-        for owner in (self.service, getattr(self.service, "metrics", None)):
-            close = getattr(owner, "close", None)
-            if close is not None:
-                close()
-
-
 def start_secured(
     *,
     token: str | None = TOKEN,
-    credentials: grpc.ServerCredentials | None = None,
+    tls: tuple[Path, Path] | None = None,
+    client_ca: Path | None = None,
     limits: ServiceLimits | None = None,
     serving: bool = True,
-) -> Secured:
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=8),
-        interceptors=[TokenAuthInterceptor(token)] if token else [],
-        options=[("grpc.so_reuseport", 0)],
+) -> RunningServer:
+    """A server on 127.0.0.1, port 0, with a token file and optionally TLS (cert, key)."""
+    root = Path(tempfile.mkdtemp(prefix="rr-sec-"))
+    token_file = None
+    if token is not None:
+        token_file = root / "token"
+        token_file.write_text(token + "\n")
+    running = start_server(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            data_dir=str(root / "data"),
+            token_file=None if token_file is None else str(token_file),
+            tls_cert=None if tls is None else str(tls[0]),
+            tls_key=None if tls is None else str(tls[1]),
+            tls_client_ca=None if client_ca is None else str(client_ca),
+            limits=limits or ServiceLimits(),
+            durability=DurabilityOptions(enabled=False),
+        )
     )
-    service = RecorderService(limits)
-    pb_grpc.add_RecorderServicer_to_server(service, server)
-    health = add_standard_services(server, [RECORDER_SERVICE_NAME])
-    if credentials is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", credentials)
-    assert port > 0
-    server.start()
-    if serving:
-        set_serving(health, True)
-    return Secured(server, service, health, f"127.0.0.1:{port}")
+    if not serving:
+        running.set_serving(False)
+    return running
 
 
 @pytest.fixture
-def secured() -> Iterator[Secured]:
+def secured() -> Iterator[RunningServer]:
     running = start_secured()
     yield running
     running.stop()
@@ -339,7 +327,7 @@ def test_health_answers_without_token_and_follows_serving():
     try:
         for name in ("", RECORDER_SERVICE_NAME):
             assert health_status(running.address, name) == NOT_SERVING  # starting
-        set_serving(running.health, True)
+        running.set_serving(True)
         for name in ("", RECORDER_SERVICE_NAME):
             assert health_status(running.address, name) == SERVING
         with make_channel(running.address) as channel:
@@ -347,7 +335,7 @@ def test_health_answers_without_token_and_follows_serving():
                 health_pb2.HealthCheckRequest(service=RECORDER_SERVICE_NAME), timeout=10
             )
             assert next(watch).status == SERVING
-            set_serving(running.health, False)  # draining
+            running.set_serving(False)  # draining
             assert next(watch).status == NOT_SERVING
             watch.cancel()
         assert health_status(running.address, "") == NOT_SERVING
@@ -358,7 +346,7 @@ def test_health_answers_without_token_and_follows_serving():
 def test_health_main(secured, capsys):
     assert health_cli.health_main(secured.address, 5.0) == 0
     assert capsys.readouterr().out.startswith(f"SERVING {secured.address}")
-    set_serving(secured.health, False)
+    secured.set_serving(False)
     assert health_cli.health_main(secured.address, 5.0) == 1
     assert capsys.readouterr().out.startswith(f"NOT_SERVING {secured.address}")
 
@@ -383,7 +371,7 @@ def test_health_subcommand_parser(secured, capsys):
 
 # -- TLS ---------------------------------------------------------------------------
 def test_tls_round_trip(pki):
-    running = start_secured(credentials=server_credentials(pki.server_cert, pki.server_key))
+    running = start_secured(tls=(pki.server_cert, pki.server_key))
     try:
         with make_channel(running.address, token=TOKEN, root_certificates=pki.ca) as channel:
             assert join(channel).worker_index == 0
@@ -397,7 +385,7 @@ def test_tls_round_trip(pki):
 
 
 def test_plaintext_client_against_tls_server_fails_clearly(pki, capsys):
-    running = start_secured(credentials=server_credentials(pki.server_cert, pki.server_key))
+    running = start_secured(tls=(pki.server_cert, pki.server_key))
     try:
         with make_channel(running.address, token=TOKEN) as channel:
             err = rpc_error(join, channel)
@@ -420,7 +408,7 @@ def test_tls_client_against_plaintext_server_fails(secured, pki):
 
 
 def test_tls_client_refuses_a_server_from_another_ca(pki):
-    running = start_secured(credentials=server_credentials(pki.server_cert, pki.server_key))
+    running = start_secured(tls=(pki.server_cert, pki.server_key))
     try:
         with make_channel(running.address, token=TOKEN, root_certificates=pki.other_ca) as ch:
             assert rpc_error(join, ch).code() == grpc.StatusCode.UNAVAILABLE
@@ -429,8 +417,7 @@ def test_tls_client_refuses_a_server_from_another_ca(pki):
 
 
 def test_mutual_tls(pki):
-    credentials = server_credentials(pki.server_cert, pki.server_key, client_ca_file=pki.ca)
-    running = start_secured(credentials=credentials)
+    running = start_secured(tls=(pki.server_cert, pki.server_key), client_ca=pki.ca)
     try:
         good = {"client_certificate": pki.client_cert, "client_key": pki.client_key}
         with make_channel(running.address, token=TOKEN, root_certificates=pki.ca, **good) as ch:
@@ -495,7 +482,8 @@ def test_client_package_never_imports_health_or_reflection():
     # when they are installed (aliases grpc.health, grpc.reflection); their
     # services live in the submodules checked here.
     code = (
-        "import sys, recorder_client, recorder_client.credentials; "
+        "import sys, recorder_client, recorder_client._credentials; "
+        "from recorder_client import RolloutRecorder; "
         "bad = sorted(m for m in sys.modules if m.startswith(('grpc_health.', "
         "'grpc_reflection.', 'recorder_server'))); print(bad); sys.exit(1 if bad else 0)"
     )
@@ -522,7 +510,7 @@ def test_rollout_recorder_sends_its_token(secured, monkeypatch):
 def test_rollout_recorder_over_tls(pki):
     from recorder_client import RolloutRecorder
 
-    running = start_secured(credentials=server_credentials(pki.server_cert, pki.server_key))
+    running = start_secured(tls=(pki.server_cert, pki.server_key))
     try:
         with RolloutRecorder(
             target=running.address, session="tls", token=TOKEN, root_certificates=pki.ca

@@ -15,8 +15,8 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_server.capture import TrajectoryCaptureProcessor, build_store
 from recorder_server.store import EpisodeArrays, decode_checkpoint_state
+from recorder_server.store.processor import TrajectoryCaptureProcessor, build_store
 
 CONFIG = TrajectoryTrainingConfiguration(
     cell_fields=(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from store_helpers import FORMS, as_form
 
 from recorder_client.capture_types import (
     CellField,
@@ -15,7 +16,7 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_server.store import EpisodeArrays, EpisodeBatch, TrajectoryStore
+from recorder_server.store import EpisodeArrays, TrajectoryStore
 
 UTILITIES = (UtilityConfig("w", gamma=0.75), UtilityConfig("l", 1.0, ("LOSS", "DRAW"), ("WIN",)))
 CONFIG = TrajectoryTrainingConfiguration(
@@ -89,7 +90,7 @@ def test_store_matches_model(episodes):
         )
 
 
-# -- batches: record_episodes against one record_episode call per episode ---------------------
+# -- batches: record against one record_episode call per episode ------------------------------
 
 BATCH_CONFIGS = (
     CONFIG,
@@ -143,11 +144,11 @@ def as_episode(steps) -> EpisodeArrays:
 @given(
     st.sampled_from(BATCH_CONFIGS),
     st.lists(st.lists(batch_episode_st, min_size=1, max_size=7), min_size=1, max_size=4),
-    st.booleans(),
+    st.sampled_from(FORMS),
 )
-def test_batches_match_sequential_calls(config, batches, concatenated):
-    """record_episodes (and record_episode_batch) give exactly what one record_episode call
-    per episode, in order, gives: records, archive, references, repository, utilities."""
+def test_batches_match_sequential_calls(config, batches, form):
+    """record, from any source type, gives exactly what one record_episode call per episode,
+    in order, gives: records, archive, references, repository, utilities."""
     one, many = TrajectoryStore(config, seed=3), TrajectoryStore(config, seed=3)
     step = 0
     for batch in batches:
@@ -168,16 +169,8 @@ def test_batches_match_sequential_calls(config, batches, concatenated):
             one.record_episode(e, step=s, outcome=o, start_reference=r)
             for e, s, o, r in zip(episodes, steps_, outcomes, refs, strict=True)
         ]
-        if concatenated:
-            got = many.record_episode_batch(
-                EpisodeBatch.from_episodes(episodes),
-                steps=steps_,
-                outcomes=outcomes,
-                start_references=refs,
-            )
-        else:
-            got = many.record_episodes(
-                episodes, steps=steps_, outcomes=outcomes, start_references=refs
-            )
-        assert got == expected
+        got = many.record(
+            as_form(form, episodes, many), steps=steps_, outcomes=outcomes, start_references=refs
+        )
+        assert got.records() == expected
         assert store_state(many) == store_state(one)

@@ -1,9 +1,12 @@
-"""capture_types: validation, JSON transport and outcome codes."""
+"""capture_types (validation, JSON transport, outcome codes) and the store's public names."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from recorder_client.capture_types import (
@@ -91,3 +94,46 @@ def test_outcome_rule():
     assert rule.resolve(EpisodeOutcome.UNKNOWN, 1.0) is EpisodeOutcome.DRAW
     assert rule.resolve(EpisodeOutcome.INCOMPLETE, 9.0) is EpisodeOutcome.INCOMPLETE
     assert OutcomeRule().resolve(EpisodeOutcome.UNKNOWN, 9.0) is EpisodeOutcome.UNKNOWN
+
+
+def test_store_exports_and_no_grpc():
+    """The store package's public names, pinned; importing it loads no gRPC or protobuf."""
+    code = (
+        "import sys, recorder_server.store as s; print(sorted(s.__all__)); "
+        "print(sorted(m for m in sys.modules if m.startswith(('grpc', 'google.protobuf'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == str(
+        [
+            "BatchResult",
+            "CHECKPOINT_FORMAT",
+            "CellInfo",
+            "EpisodeArrays",
+            "EpisodeBatch",
+            "EpisodeColumns",
+            "EpisodeList",
+            "EpisodeRecord",
+            "EpisodeSource",
+            "EpisodeWindow",
+            "TrajectoryCaptureProcessor",
+            "TrajectoryStore",
+            "build_store",
+            "decode_checkpoint_state",
+            "encode_checkpoint_state",
+            "find_state",
+        ]
+    )
+    assert out[1] == "[]"
+
+
+def test_find_state_takes_either_spelling():
+    from recorder_server.store import find_state
+
+    positions = np.zeros((3, 2), np.int32)
+    assert find_state({"positions": positions}, "player_positions") is positions
+    assert find_state({"player_positions": positions}, "positions") is positions
+    assert find_state({"positions": positions, "player_positions": 1}, "positions") is positions
+    assert find_state({"pos": positions}, "player_positions") is None
+    assert find_state({}, "pos") is None

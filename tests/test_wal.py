@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from recorder_server import wal
-from recorder_server.wal import (
+from recorder_server.durability import files
+from recorder_server.durability.wal import (
     WALError,
     WALFormatError,
     WriteAheadLog,
@@ -342,13 +342,13 @@ def test_truncate_before_drops_only_fully_covered_segments(tmp_path: Path) -> No
 @pytest.mark.parametrize("policy", ["always", "batch", "never"])
 def test_fsync_policies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
     calls: list[int] = []
-    real = wal._fdatasync
+    real = files.fdatasync
 
     def counting(fd: int) -> None:
         calls.append(fd)
         real(fd)
 
-    monkeypatch.setattr(wal, "_fdatasync", counting)
+    monkeypatch.setattr(files, "fdatasync", counting)
     log = WriteAheadLog(tmp_path, fsync=policy, batch_window_s=0.02)  # type: ignore[arg-type]
     try:
         opened = len(calls)
@@ -412,7 +412,7 @@ def test_concurrent_appends_replay_exactly_once(tmp_path: Path, policy: str) -> 
 
 
 def test_failed_append_is_rolled_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_write_all = wal._write_all
+    real_write_all = files.write_all
 
     def half_then_enospc(fd: int, parts: list[memoryview]) -> None:
         real_write_all(fd, [parts[0], parts[1][: parts[1].nbytes // 2]])
@@ -421,7 +421,7 @@ def test_failed_append_is_rolled_back(tmp_path: Path, monkeypatch: pytest.Monkey
     with WriteAheadLog(tmp_path) as log:
         log.append(b"one")
         with monkeypatch.context() as patched:
-            patched.setattr(wal, "_write_all", half_then_enospc)
+            patched.setattr(files, "write_all", half_then_enospc)
             with pytest.raises(OSError) as caught:
                 log.append(b"x" * 1000)
         assert caught.value.errno == errno.ENOSPC
@@ -434,7 +434,7 @@ def test_failed_append_is_rolled_back(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_unrecoverable_append_failure_disables_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_write_all = wal._write_all
+    real_write_all = files.write_all
 
     def half_then_eio(fd: int, parts: list[memoryview]) -> None:
         real_write_all(fd, [parts[0], parts[1][:10]])
@@ -446,7 +446,7 @@ def test_unrecoverable_append_failure_disables_the_log(
     log = WriteAheadLog(tmp_path)
     log.append(b"kept")
     with monkeypatch.context() as patched:
-        patched.setattr(wal, "_write_all", half_then_eio)
+        patched.setattr(files, "write_all", half_then_eio)
         patched.setattr(os, "ftruncate", no_truncate)
         with pytest.raises(OSError):
             log.append(b"y" * 100)

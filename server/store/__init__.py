@@ -3,9 +3,19 @@
 Pure Python + numpy (+ zstandard); no gRPC. See DESIGN.md, "Trajectory store".
 """
 
-from .cells import EpisodeArrays, EpisodeBatch, EpisodeColumns, EpisodeWindow
+from .cells import find_state
+from .processor import TrajectoryCaptureProcessor, build_store
+from .sources import (
+    EpisodeArrays,
+    EpisodeBatch,
+    EpisodeColumns,
+    EpisodeList,
+    EpisodeSource,
+    EpisodeWindow,
+)
 from .store import (
     CHECKPOINT_FORMAT,
+    BatchResult,
     CellInfo,
     EpisodeRecord,
     TrajectoryStore,
@@ -14,14 +24,20 @@ from .store import (
 )
 
 __all__ = [
+    "BatchResult",
     "CHECKPOINT_FORMAT",
     "CellInfo",
     "EpisodeArrays",
     "EpisodeBatch",
     "EpisodeColumns",
+    "EpisodeList",
     "EpisodeRecord",
+    "EpisodeSource",
     "EpisodeWindow",
+    "TrajectoryCaptureProcessor",
     "TrajectoryStore",
+    "build_store",
     "decode_checkpoint_state",
     "encode_checkpoint_state",
+    "find_state",
 ]

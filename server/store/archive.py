@@ -69,6 +69,17 @@ class CellArchive:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def id_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The id table as (box lows, box highs, strides, ids); None until a batch needs it,
+        and once given up."""
+        return self._box
+
+    @property
+    def id_table_given_up(self) -> bool:
+        """Whether the keys outgrew the id table for good (the dict serves alone)."""
+        return self._box_off
+
     def _grow(self, needed: int) -> None:
         capacity = self.keys.shape[0]
         if needed <= capacity:

@@ -17,12 +17,17 @@ steps and their discounted sums then come from single passes over the steps (ker
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from . import kernels
-from .cells import EpisodeWindow, key_bytes
+from .cells import key_bytes
+
+if TYPE_CHECKING:
+    from .sources import EpisodeWindow
 
 # Dense bincount-based grouping is used while the number of bins is at most
 # max(_DENSE_FACTOR * steps, _DENSE_MIN); beyond that, np.unique (a sort) is cheaper.
@@ -96,6 +101,17 @@ class BatchCells:
     def first_index(self, cells: np.ndarray) -> np.ndarray:
         """Global index (into the concatenation) of the first step in each of ``cells``."""
         return self.first_step[self.codes[cells]]
+
+
+class Grouping(NamedTuple):
+    """A batch's steps grouped by cell, with what the store checks before recording it."""
+
+    cells: BatchCells | None
+    """The batch's cells; None when it has no steps or a non-finite cumulative reward."""
+    returns: np.ndarray
+    """(E,) float64 return of each episode (0.0 for an empty one)."""
+    bad: int
+    """Index of the first step whose cumulative reward is not finite; -1 when none is."""
 
 
 def _dense_limit(num_steps: int) -> int:
@@ -187,6 +203,27 @@ def group_batch(
     return _batch_cells(lengths, offsets, keys, visits, codes, num_codes, step_codes, pairs)
 
 
+def group_columns(
+    cumulative: np.ndarray,
+    columns: Callable[[], np.ndarray],
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+) -> Grouping:
+    """:func:`group_batch` with each episode's return, from the steps' (S,) float64
+    cumulative rewards (restarting at each episode) and a callable for their (F, S) key
+    columns, called only when there are steps and every cumulative reward is finite."""
+    ends = offsets[1:]
+    returns = np.zeros(lengths.shape[0], dtype=np.float64)
+    nonempty = ends > offsets[:-1]
+    returns[nonempty] = cumulative[ends[nonempty] - 1]
+    if not cumulative.size:
+        return Grouping(None, returns, -1)
+    finite = np.isfinite(cumulative)
+    if not finite.all():
+        return Grouping(None, returns, int(np.argmin(finite)))
+    return Grouping(group_batch(columns(), cumulative, lengths, offsets), returns, -1)
+
+
 def _batch_cells(
     lengths: np.ndarray,
     offsets: np.ndarray,
@@ -220,17 +257,14 @@ def _batch_cells(
     )
 
 
-def group_window(
-    window: EpisodeWindow, powers: np.ndarray
-) -> tuple[BatchCells | None, np.ndarray, int] | None:
-    """:func:`group_batch` (with each episode's return, the first non-finite-return step or
-    -1, and every utility's discounted sums for the (U, L) ``powers``) for episodes read in
-    place from a window, in one compiled pass; None when the keys' code space is too wide
-    for a dense table (group the copied-out steps then)."""
+def group_window(window: EpisodeWindow, powers: np.ndarray) -> Grouping | None:
+    """:func:`group_columns` (with every utility's discounted sums for the (U, L) ``powers``)
+    for episodes read in place from a window, in one compiled pass; None when the keys' code
+    space is too wide for a dense table (group the copied-out steps then)."""
     lengths, offsets = window.lengths, window.offsets
     num_steps = int(offsets[-1])
     if num_steps == 0:
-        return None, np.zeros(lengths.shape[0], dtype=np.float64), -1
+        return Grouping(None, np.zeros(lengths.shape[0], dtype=np.float64), -1)
     ring, capacity = window.key_ring, window.capacity
     lows, highs = kernels.window_bounds(ring, window.env, window.start, lengths, capacity)
     ranges, total, strides = _code_space(lows, highs)
@@ -249,9 +283,9 @@ def group_window(
         powers,
     )
     if bad >= 0:
-        return None, returns, int(bad)
+        return Grouping(None, returns, int(bad))
     codes, keys, visits = _dense_cells(counts, ranges, lows)
     cells = _batch_cells(
         lengths, offsets, keys, visits, codes, total, None, tuple(pairs), discounted=sums
     )
-    return cells, returns, -1
+    return Grouping(cells, returns, -1)

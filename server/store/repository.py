@@ -27,7 +27,7 @@ import numpy as np
 import zstandard
 
 from . import codec
-from .cells import EpisodeArrays
+from .sources import EpisodeArrays
 
 _STATE_PREFIX = "state/"
 

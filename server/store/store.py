@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,19 +27,10 @@ from recorder_client.capture_types import (
 from . import codec, kernels
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
-from .batch import BatchCells, group_batch, group_window
-from .cells import (
-    EpisodeArrays,
-    EpisodeBatch,
-    EpisodeColumns,
-    EpisodeWindow,
-    _offsets,
-    batch_cell_columns,
-    cell_keys,
-    field_column,
-)
+from .cells import cell_keys, field_column
 from .curriculum import Curriculum
 from .repository import TrajectoryRepository, decode_episode, encode_episode
+from .sources import EpisodeArrays, EpisodeList, EpisodeSource, as_source
 from .utilities import UtilityTable, aggregate
 
 logger = logging.getLogger(__name__)
@@ -52,6 +43,7 @@ _MAX_PENDING_STARTS = 1 << 16
 # this many seconds (at 100,000 cells they cost ~2 ms, about the rest of a chunk's store work).
 _GAUGE_CELLS = 10_000
 _GAUGE_PERIOD = 1.0
+_OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
 
 
 @dataclass(frozen=True)
@@ -68,6 +60,39 @@ class EpisodeRecord:
     """Cells first seen in this episode."""
     improved_cells: int
     """Cells whose best reference moved to this episode (new cells included)."""
+
+
+@dataclass(frozen=True, eq=False)
+class BatchResult:
+    """What the store did with a batch of episodes, one entry per episode, in order."""
+
+    first_trajectory_id: int
+    """The id of the batch's first episode; episode i got ``first_trajectory_id + i``."""
+    codes: np.ndarray
+    """(E,) int64 outcome codes recorded, after the configured rule."""
+    new_cells: np.ndarray
+    """(E,) int64 cells first seen in each episode."""
+    improved_cells: np.ndarray
+    """(E,) int64 cells whose best reference moved to each episode (new cells included); an
+    episode was stored exactly when its count is non-zero."""
+
+    def __len__(self) -> int:
+        return int(self.codes.shape[0])
+
+    def records(self) -> list[EpisodeRecord]:
+        """One EpisodeRecord per episode."""
+        first = self.first_trajectory_id
+        return [
+            EpisodeRecord(first + i, n > 0, _OUTCOMES[o], k, n)
+            for i, (o, k, n) in enumerate(
+                zip(
+                    self.codes.tolist(),
+                    self.new_cells.tolist(),
+                    self.improved_cells.tolist(),
+                    strict=True,
+                )
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -134,9 +159,34 @@ class TrajectoryStore:
 
     # -- writing -------------------------------------------------------------------------------
 
+    def record(
+        self,
+        episodes: EpisodeSource | Sequence[EpisodeArrays | Mapping[str, Any]],
+        *,
+        steps: Sequence[int] | np.ndarray | int,
+        outcomes: Sequence[EpisodeOutcome | int | str] | np.ndarray | EpisodeOutcome | int | str,
+        start_references: Sequence[TrajectorySliceReference | None] | None = None,
+    ) -> BatchResult:
+        """Record several finished episodes, with results identical to calling
+        :meth:`record_episode` for each in order (trajectory ids, archive cells and their ids,
+        visits, first-seen steps, best references and their tie-breaks, repository contents,
+        refcounts and evictions, utilities, midpoint starts, counters), vectorised over the
+        whole batch.
+
+        ``episodes`` is any :class:`EpisodeSource`, or a sequence of episodes (EpisodeArrays or
+        anything :meth:`EpisodeArrays.coerce` takes). ``steps`` and ``outcomes`` give one value
+        per episode, or one value for all; ``start_references`` is None or one (optional)
+        reference per episode. The whole batch is validated first: on invalid input nothing is
+        recorded (ValueError), where sequential calls would have recorded the episodes before
+        the bad one.
+        """
+        source = as_source(episodes)
+        step_array, codes, refs = _batch_args(steps, outcomes, start_references, len(source))
+        return self._record(source, step_array, codes, refs)
+
     def record_episode(
         self,
-        episode: EpisodeArrays,
+        episode: EpisodeArrays | Mapping[str, Any],
         *,
         step: int,
         outcome: EpisodeOutcome | int | str = EpisodeOutcome.UNKNOWN,
@@ -145,13 +195,11 @@ class TrajectoryStore:
         """Fold one finished episode into the archive, repository and utilities.
 
         ``step`` is the caller's global step; it becomes ``first_seen_step`` of new cells.
-        An UNKNOWN outcome goes through the configured OutcomeRule first. (The batch path of
-        :meth:`record_episodes` with a batch of one.)
+        An UNKNOWN outcome goes through the configured OutcomeRule first. (:meth:`record` with
+        one episode.)
         """
         episode = EpisodeArrays.coerce(episode)
         step = _check_step(step, "step")
-        length = episode.length
-        cumulative = np.cumsum(episode.rewards, dtype=np.float64)
         outcome = EpisodeOutcome.coerce(outcome)
         if start_reference is not None and not isinstance(
             start_reference, TrajectorySliceReference
@@ -159,180 +207,12 @@ class TrajectoryStore:
             raise ValueError(
                 f"start_reference: expected a TrajectorySliceReference, got {start_reference!r}"
             )
-
-        def columns() -> np.ndarray:
-            return batch_cell_columns(self._config.cell_fields, [episode.states], [length])
-
-        def encode(i: int, compressor: Any) -> bytes:
-            return encode_episode(episode, compressor=compressor)
-
-        lengths, offsets = np.array([length], dtype=np.int64), np.array([0, length], np.int64)
-        return self._record_batch(
-            lengths,
-            offsets,
-            _columns_grouping(cumulative, columns, lengths, offsets),
-            encode,
+        return self._record(
+            EpisodeList((episode,)),
             np.array([step], dtype=np.int64),
             np.array([int(outcome)], dtype=np.int64),
             [start_reference],
         ).records()[0]
-
-    def record_episodes(
-        self,
-        episodes: Sequence[EpisodeArrays],
-        *,
-        steps: Sequence[int] | int,
-        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
-        start_references: Sequence[TrajectorySliceReference | None] | None = None,
-    ) -> list[EpisodeRecord]:
-        """Record several finished episodes, with results identical to calling
-        :meth:`record_episode` for each in order (trajectory ids, archive cells and their ids,
-        visits, first-seen steps, best references and their tie-breaks, repository contents,
-        refcounts and evictions, utilities, midpoint starts, counters), vectorised over the
-        whole batch.
-
-        ``steps`` and ``outcomes`` give one value per episode, or one value for all;
-        ``start_references`` is None or one (optional) reference per episode. Episodes may be
-        EpisodeArrays or anything :meth:`EpisodeArrays.coerce` accepts. The whole batch is
-        validated first: on invalid input nothing is recorded (ValueError), where sequential
-        calls would have recorded the episodes before the bad one.
-        """
-        if isinstance(episodes, (EpisodeArrays, Mapping)):
-            raise ValueError("episodes: expected a sequence of episodes, got a single episode")
-        episodes = [EpisodeArrays.coerce(e) for e in episodes]
-        count = len(episodes)
-        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
-        lengths = np.fromiter((e.rewards.shape[0] for e in episodes), dtype=np.int64, count=count)
-        offsets = _offsets(lengths)
-        cumulative = _segment_cumsum(
-            np.concatenate([e.rewards for e in episodes] or [np.zeros(0)], dtype=np.float64),
-            offsets,
-        )
-        nonempty = [i for i, n in enumerate(lengths.tolist()) if n]
-
-        def columns() -> np.ndarray:
-            return batch_cell_columns(
-                self._config.cell_fields,
-                [episodes[i].states for i in nonempty],
-                [int(lengths[i]) for i in nonempty],
-            )
-
-        def encode(i: int, compressor: Any) -> bytes:
-            return encode_episode(episodes[i], compressor=compressor)
-
-        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
-        return self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
-        ).records()
-
-    def record_episode_batch(
-        self,
-        batch: EpisodeBatch,
-        *,
-        steps: Sequence[int] | int,
-        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
-        start_references: Sequence[TrajectorySliceReference | None] | None = None,
-    ) -> list[EpisodeRecord]:
-        """:meth:`record_episodes` for episodes already concatenated into an EpisodeBatch
-        (identical to recording ``batch.episode(i)`` one by one, in order)."""
-        if not isinstance(batch, EpisodeBatch):
-            raise ValueError(f"batch: expected an EpisodeBatch, got {type(batch).__name__}")
-        count = len(batch)
-        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
-        lengths, offsets = batch.lengths, batch.offsets
-        cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-
-        def columns() -> np.ndarray:
-            n = cumulative.shape[0]
-            return np.stack([field_column(f, batch.states, n) for f in self._config.cell_fields])
-
-        def encode(i: int, compressor: Any) -> bytes:
-            return encode_episode(batch.episode(i), compressor=compressor)
-
-        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
-        return self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
-        ).records()
-
-    def record_episode_columns(
-        self,
-        batch: EpisodeColumns,
-        *,
-        steps: Sequence[int] | int,
-        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
-        start_references: Sequence[TrajectorySliceReference | None] | None = None,
-        records: bool = True,
-    ) -> list[EpisodeRecord] | np.ndarray:
-        """:meth:`record_episodes` from per-step cell-key columns and rewards only: the full
-        arrays of an episode are fetched (``batch.fetch(i)``, under the store's lock) only when
-        the repository keeps it. Identical to recording ``batch.fetch(i)`` one by one, in
-        order, when the columns are the fetched episodes' :meth:`step_columns`.
-        ``records=False`` returns just the (E,) int64 outcome codes recorded."""
-        if not isinstance(batch, EpisodeColumns):
-            raise ValueError(f"batch: expected an EpisodeColumns, got {type(batch).__name__}")
-        count = len(batch)
-        width = len(self._config.cell_fields)
-        if batch.columns.shape[0] != width:
-            raise ValueError(
-                f"columns: expected {width} rows (one per cell field), got {batch.columns.shape[0]}"
-            )
-        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
-        lengths, offsets = batch.lengths, batch.offsets
-        cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-
-        def columns() -> np.ndarray:
-            return batch.columns
-
-        encode = _fetching_encoder(batch.fetch, lengths)
-
-        grouping = _columns_grouping(cumulative, columns, lengths, offsets)
-        result = self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_codes, refs
-        )
-        return result.records() if records else result.codes
-
-    def record_episode_window(
-        self,
-        window: EpisodeWindow,
-        *,
-        steps: Sequence[int] | int,
-        outcomes: Sequence[EpisodeOutcome | int | str] | EpisodeOutcome | int | str,
-        start_references: Sequence[TrajectorySliceReference | None] | None = None,
-        records: bool = True,
-    ) -> list[EpisodeRecord] | np.ndarray:
-        """:meth:`record_episode_columns` for episodes read in place from a feeder's window
-        (identical to recording ``window.as_columns()``): when the batch's keys span a small
-        range, the steps are grouped in one compiled pass without being copied out."""
-        if not isinstance(window, EpisodeWindow):
-            raise ValueError(f"window: expected an EpisodeWindow, got {type(window).__name__}")
-        width = len(self._config.cell_fields)
-        if window.key_ring.shape[0] != width:
-            raise ValueError(
-                f"key_ring: expected {width} rows (one per cell field), got "
-                f"{window.key_ring.shape[0]}"
-            )
-        count = len(window)
-        step_array, outcome_codes, refs = _batch_args(steps, outcomes, start_references, count)
-        lengths, offsets = window.lengths, window.offsets
-
-        def fallback() -> _Grouping:
-            batch = window.as_columns()
-            cumulative = _segment_cumsum(batch.rewards.astype(np.float64), offsets)
-            return _columns_grouping(cumulative, lambda: batch.columns, lengths, offsets)()
-
-        def grouping() -> _Grouping:
-            table = np.zeros((len(self._config.utilities), max(int(lengths.max(initial=0)), 1)))
-            for u, config in enumerate(self._config.utilities):
-                table[u] = self._powers(config.gamma, table.shape[1])[: table.shape[1]]
-            grouped = group_window(window, table)
-            return fallback() if grouped is None else grouped
-
-        encode = _fetching_encoder(window.fetch, lengths)
-
-        result = self._record_batch(
-            lengths, offsets, grouping, encode, step_array, outcome_codes, refs, window.defer
-        )
-        return result.records() if records else result.codes
 
     def step_columns(self, states: Mapping[str, np.ndarray], length: int) -> np.ndarray:
         """The (F, length) int64 cell-key columns of ``length`` steps of state arrays (each
@@ -352,22 +232,24 @@ class TrajectoryStore:
             self._power_tables[gamma] = table
         return table
 
-    def _record_batch(
+    def _utility_powers(self, length: int) -> np.ndarray:
+        """(U, length) float64 ``gamma ** k`` (k < length) of every utility."""
+        table = np.empty((len(self._config.utilities), length))
+        for u, config in enumerate(self._config.utilities):
+            table[u] = self._powers(config.gamma, length)[:length]
+        return table
+
+    def _record(
         self,
-        lengths: np.ndarray,
-        offsets: np.ndarray,
-        grouping: Callable[[], _Grouping],
-        encode: Callable[[int, Any], bytes],
+        source: EpisodeSource,
         step_array: np.ndarray,
         outcomes: np.ndarray,
         refs: list[TrajectorySliceReference | None],
-        defer: Callable[[int], Any] | None = None,
-    ) -> _BatchResult:
-        """The one write path: validated per-episode arguments, a callable grouping the steps
-        by cell (with each episode's return), and one for the blobs (or, with ``defer``, one
-        for each episode's deferred source: see :mod:`.repository`)."""
+    ) -> BatchResult:
+        """The one write path: a source and its validated per-episode arguments."""
+        lengths, offsets = source.lengths, source.offsets
         count = lengths.shape[0]
-        cells, returns, bad = grouping()
+        cells, returns, bad = source.group(self._config.cell_fields, self._utility_powers)
         if bad >= 0:
             where = f" (episode {int(np.searchsorted(offsets, bad, 'right')) - 1} of the batch)"
             where = where if count > 1 else ""
@@ -420,10 +302,15 @@ class TrajectoryStore:
                     if b > a:
                         repository.release(dict(zip(rel_tid[a:b], rel_count[a:b], strict=True)))
                     n = improved_list[i]
-                    if n and defer is not None:
-                        repository.add_deferred(first_tid + i, defer(i), length, n)
-                    elif n:
-                        repository.add(first_tid + i, encode(i, repository.compressor), length, n)
+                    if n:
+                        deferred = source.deferred(i)
+                        if deferred is not None:
+                            repository.add_deferred(first_tid + i, deferred, length, n)
+                        else:
+                            blob = encode_episode(
+                                source.episode(i), compressor=repository.compressor
+                            )
+                            repository.add(first_tid + i, blob, length, n)
                 ref = refs[i]
                 if ref is not None:
                     self._curriculum.count_midpoint_start(self._start_cell(ref))
@@ -432,7 +319,7 @@ class TrajectoryStore:
             c["steps"] += int(offsets[-1])
             if count:
                 c["last_new_cells"], c["last_improved"] = int(new[-1]), int(improved[-1])
-        return _BatchResult(first_tid, codes, new, improved)
+        return BatchResult(first_tid, codes, new, improved)
 
     def _utilities_signs(self, codes: np.ndarray) -> list[np.ndarray | None]:
         """Per utility, the (E,) sign of each episode's outcome, or None when all are 0."""
@@ -721,31 +608,6 @@ class TrajectoryStore:
             self._pending.clear()
 
 
-_OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
-
-
-# What grouping a batch gives: its cells (None: no steps), each episode's return, and the
-# index of the first step with a non-finite return (-1: none).
-_Grouping = tuple[BatchCells | None, np.ndarray, int]
-
-
-@dataclass(frozen=True)
-class _BatchResult:
-    first_tid: int
-    codes: np.ndarray
-    """(E,) int64 outcome codes recorded (after the rule)."""
-    new: np.ndarray
-    improved: np.ndarray
-
-    def records(self) -> list[EpisodeRecord]:
-        return [
-            EpisodeRecord(self.first_tid + i, n > 0, _OUTCOMES[o], k, n)
-            for i, (o, k, n) in enumerate(
-                zip(self.codes.tolist(), self.new.tolist(), self.improved.tolist(), strict=True)
-            )
-        ]
-
-
 def _resolve_outcomes(rule: OutcomeRule, codes: np.ndarray, returns: np.ndarray) -> np.ndarray:
     """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode's code, given
     their returns (0.0 for an empty episode), for the whole batch at once."""
@@ -760,52 +622,6 @@ def _resolve_outcomes(rule: OutcomeRule, codes: np.ndarray, returns: np.ndarray)
         )
         codes = np.where(unknown, derived, codes)
     return codes
-
-
-def _fetching_encoder(
-    fetch: Callable[[int], Any], lengths: np.ndarray
-) -> Callable[[int, Any], bytes]:
-    """The blob of episode i from ``fetch(i)``, checked against its expected length."""
-
-    def encode(i: int, compressor: Any) -> bytes:
-        episode = EpisodeArrays.coerce(fetch(i))
-        if episode.length != int(lengths[i]):
-            raise ValueError(
-                f"fetch({i}): expected an episode of {int(lengths[i])} steps, got {episode.length}"
-            )
-        return encode_episode(episode, compressor=compressor)
-
-    return encode
-
-
-def _columns_grouping(
-    cumulative: np.ndarray,
-    columns: Callable[[], np.ndarray],
-    lengths: np.ndarray,
-    offsets: np.ndarray,
-) -> Callable[[], _Grouping]:
-    """Grouping from the steps' concatenated cumulative rewards and a callable for their
-    (F, S) key columns (called only when every return is finite)."""
-
-    def group() -> _Grouping:
-        ends = offsets[1:]
-        returns = np.zeros(lengths.shape[0], dtype=np.float64)
-        nonempty = ends > offsets[:-1]
-        returns[nonempty] = cumulative[ends[nonempty] - 1]
-        if not cumulative.size:
-            return None, returns, -1
-        finite = np.isfinite(cumulative)
-        if not finite.all():
-            return None, returns, int(np.argmin(finite))
-        return group_batch(columns(), cumulative, lengths, offsets), returns, -1
-
-    return group
-
-
-def _segment_cumsum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Cumulative sums of float64 ``values`` restarting at every offset, in place; each
-    segment bit-identical to ``np.cumsum(segment_rewards, dtype=np.float64)``."""
-    return kernels.segment_cumsum(values, offsets.astype(np.int64, copy=False))
 
 
 def _check_step(step: Any, where: str) -> int:

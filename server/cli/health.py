@@ -13,10 +13,10 @@ import os
 
 import grpc
 
-from recorder_client.credentials import make_channel
+from recorder_client._credentials import make_channel
 from recorder_client.errors import handshake_hint
 
-from .security import RECORDER_SERVICE_NAME
+from ..rpc.security import RECORDER_SERVICE_NAME
 
 
 def health_main(

@@ -1,17 +1,15 @@
 """Crash safety: the write-ahead log of everything that changes a session, checkpoints,
 and recovery (newest good checkpoint, then the log after it).
 
-Data directory layout: `wal/` (segments, see wal.py) and `checkpoints/`
-(`ckpt-<wal index>.rrc`, see checkpoint.py). A checkpoint holds every session
+Data directory layout: `wal/` (segments, see wal.py; records, see records.py) and
+`checkpoints/` (`ckpt-<wal index>.rrc`, see checkpoint.py). A checkpoint holds every session
 (snapshot.py) and the log index it covers; the log is truncated behind it.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import struct
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -23,31 +21,6 @@ from .checkpoint import CheckpointDirectory
 from .wal import WriteAheadLog, replay
 
 logger = logging.getLogger(__name__)
-
-KIND_JOIN = b"J"
-KIND_CHUNK = b"C"
-KIND_RESET = b"R"
-KIND_EPISODE = b"E"
-_KINDS = (KIND_JOIN, KIND_CHUNK, KIND_RESET, KIND_EPISODE)
-
-
-def encode_record(kind: bytes, session: str, worker: str, payload: bytes) -> bytes:
-    s, w = session.encode(), worker.encode()
-    return b"".join([kind, struct.pack("<HH", len(s), len(w)), s, w, payload])
-
-
-def decode_record(data: bytes) -> tuple[bytes, str, str, bytes]:
-    kind = data[:1]
-    if kind not in _KINDS:
-        raise ValueError(f"log record: unknown kind {kind!r}")
-    ls, lw = struct.unpack_from("<HH", data, 1)
-    s = data[5 : 5 + ls].decode()
-    w = data[5 + ls : 5 + ls + lw].decode()
-    return kind, s, w, data[5 + ls + lw :]
-
-
-def is_disk_full(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -117,7 +90,9 @@ class Durability:
         self._checkpoint_lock = threading.Lock()
 
     # -- recovery ----------------------------------------------------------
-    def recover(self, service: Any) -> RecoveryReport:
+    def recover(self, sessions: Any) -> RecoveryReport:
+        """Load the newest readable checkpoint into ``sessions`` (the registry), replay the
+        log after it, then open the log for appending."""
         report = RecoveryReport()
         newest = self.checkpoints.newest_good()
         report.skipped_checkpoints = [(str(p), str(r)) for p, r in newest.skipped]
@@ -126,15 +101,13 @@ class Durability:
             meta, blobs = snapshot.unpack(newest.payload)
             cut = int(meta["wal_next_index"])
             for entry in meta["sessions"]:
-                service.restore_session(
-                    json.loads(bytes(blobs[entry["meta"]])), blobs_of(entry, blobs)
-                )
+                sessions.restore(json.loads(bytes(blobs[entry["meta"]])), blobs_of(entry, blobs))
             report.checkpoint = str(newest.path)
             report.sessions = len(meta["sessions"])
         wal_dir = self.root / "wal"
         result = replay(wal_dir, start_index=cut)
         for _index, record in result:
-            service.apply_record(bytes(record))
+            sessions.replay(bytes(record))
             report.replayed_records += 1
         report.dropped_bytes = result.dropped_bytes
         report.dropped_records = result.dropped_records
@@ -149,29 +122,30 @@ class Durability:
             segment_bytes=self.options.segment_bytes,
             start_index=max(cut, result.next_index),
         )
-        service.drain_feeders()
+        sessions.drain()
         return report
 
     # -- writing -----------------------------------------------------------
-    def journal(self, record: bytes) -> None:
+    def journal(self, record: list) -> None:
+        """Append one record (see records.py) to the log."""
         assert self.wal is not None
         self.wal.append(record)
 
-    def checkpoint(self, service: Any) -> tuple[Path, int]:
+    def checkpoint(self, sessions: Any) -> tuple[Path, int]:
         """Write every session atomically, then drop the log behind it."""
         assert self.wal is not None
         with self._checkpoint_lock:
             # Stored episodes still read from the sessions' chunks are encoded before every
             # lock is taken (each store's lock only): ingest keeps going meanwhile, and only
             # those stored since are left for the snapshot below.
-            for session in service.sessions():
+            for session in sessions.all():
                 if session.processor.store is not None:
                     session.processor.store.encode_deferred()
             with ExitStack() as stack:
-                sessions = service.lock_all(stack)
+                locked = sessions.lock_all(stack)
                 cut = self.wal.next_index
                 entries, blobs = [], []
-                for session in sessions:
+                for session in locked:
                     meta, session_blobs = snapshot.session_state(session)
                     first = len(blobs) + 1
                     blobs.append(json.dumps(meta).encode())
@@ -189,7 +163,7 @@ class Durability:
         logger.info("checkpoint %s (%d sessions, log index %d)", path, len(entries), cut)
         return path, cut
 
-    def start_timer(self, service: Any) -> None:
+    def start_timer(self, sessions: Any) -> None:
         every = self.options.checkpoint_every_s
         if every <= 0:
             return
@@ -197,9 +171,11 @@ class Durability:
         def loop() -> None:
             while not self._stop.wait(every):
                 try:
-                    self.checkpoint(service)
+                    self.checkpoint(sessions)
                 except OSError as exc:
                     logger.error("timed checkpoint failed: %s", exc)
+                except Exception:  # the timer must outlive any one bad checkpoint
+                    logger.exception("timed checkpoint failed")
 
         self._timer = threading.Thread(target=loop, name="checkpointer", daemon=True)
         self._timer.start()

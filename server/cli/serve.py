@@ -1,4 +1,9 @@
-"""The `rollout-recorder` command line."""
+"""`rollout-recorder serve`: run a recorder server until SIGTERM, SIGINT or (embedded) stdin EOF.
+
+Prints ``rollout-recorder listening on ADDRESS`` once it accepts calls. Stopping drains for
+``--grace`` seconds and writes a last checkpoint; a stop that takes longer than its hard
+deadline exits anyway (the write-ahead log holds everything acknowledged).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +14,15 @@ import signal
 import sys
 import threading
 
-from . import health_cli
-from .app import DEFAULT_LISTEN, ServerOptions, start_server
-from .durability import DurabilityOptions
-from .metrics import MetricsConfig, WriteGate
-from .service import ServiceLimits
+from ..app import DEFAULT_LISTEN, ServerOptions, start_server
+from ..durability import DurabilityOptions
+from ..metrics import MetricsConfig, WriteGate
+from ..sessions import ServiceLimits
 
 logger = logging.getLogger("recorder_server")
+
+# Seconds a stop may take beyond --grace (the last checkpoint) before the process exits anyway.
+STOP_DEADLINE_S = 30.0
 
 
 def _watch_stdin(stop: threading.Event) -> None:
@@ -76,17 +83,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         pass
     logger.info("stopping")
-    running.stop(grace=args.grace)
+    stopper = threading.Thread(
+        target=running.stop, kwargs={"grace": args.grace}, name="stop", daemon=True
+    )
+    stopper.start()
+    stopper.join(args.grace + STOP_DEADLINE_S)
+    if stopper.is_alive():
+        logger.error(
+            "stop did not finish within %.0f s; exiting (the write-ahead log holds every "
+            "acknowledged chunk)",
+            args.grace + STOP_DEADLINE_S,
+        )
+        logging.shutdown()
+        os._exit(1)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rollout-recorder", description="Out-of-process rollout recorder for RL training."
-    )
-    parser.add_argument("--log-level", default=os.environ.get("ROLLOUT_RECORDER_LOG", "WARNING"))
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="run a recorder server")
     serve.add_argument(
         "--listen",
@@ -94,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT (port 0 picks one) or unix:PATH; default %(default)s",
     )
     serve.add_argument("--data-dir", default="./recorder-data", help="default %(default)s")
-    serve.add_argument("--threads", type=int, default=64, help="handler threads (one per stream)")
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="ingest threads (decode, split, log); default 0: sized to the machine. An open "
+        "stream holds no thread",
+    )
     serve.add_argument("--max-message-mib", type=int, default=256, help="gRPC message cap")
     serve.add_argument("--max-sessions", type=int, default=64)
     serve.add_argument("--max-workers", type=int, default=1024, help="workers per session")
@@ -154,22 +173,3 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls-client-ca", default=None, help="PEM CA of client certificates (mutual TLS)"
     )
     serve.set_defaults(func=cmd_serve)
-
-    from . import demo, status_cli
-
-    demo.add_parsers(sub)
-    health_cli.add_parser(sub)
-    status_cli.add_parser(sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Self
 
-from recorder_server.metrics_sinks import (
+from .sinks import (
     JsonlSink,
     PrometheusCollector,
     PrometheusEndpoint,

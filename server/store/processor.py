@@ -25,15 +25,8 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
 )
 
-from .store import (
-    EpisodeArrays,
-    EpisodeBatch,
-    EpisodeColumns,
-    EpisodeWindow,
-    TrajectoryStore,
-    decode_checkpoint_state,
-    encode_checkpoint_state,
-)
+from .sources import EpisodeArrays, EpisodeSource, as_source
+from .store import TrajectoryStore, decode_checkpoint_state, encode_checkpoint_state
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +34,7 @@ RUNTIME_FORMAT = "recorder.capture_runtime.v1"
 METRIC_PREFIX = "Trajectories/"
 
 
-class MetricsTracker(Protocol):
+class MetricsLogger(Protocol):
     """The one method the processor calls on its metrics object."""
 
     def log_many(self, values: dict[str, float], step: int) -> None: ...
@@ -66,7 +59,7 @@ class TrajectoryCaptureProcessor:
     def __init__(
         self,
         configuration: TrajectoryTrainingConfiguration | None,
-        metrics: MetricsTracker,
+        metrics: MetricsLogger,
         store: TrajectoryStore | None,
     ) -> None:
         if store is not None:
@@ -109,19 +102,25 @@ class TrajectoryCaptureProcessor:
         """
         if episode_data is not None and not isinstance(episode_data, Mapping):
             raise ValueError(f"episode_data: expected a mapping, got {type(episode_data)}")
-        self.record_episodes(
-            [trajectory_file],
-            None,
-            step,
-            outcomes=[outcome],
-            start_references=None if start_reference is None else [start_reference],
+        if self._store is None:
+            self.record_episodes(
+                [trajectory_file],
+                step,
+                outcomes=[outcome],
+                start_references=None if start_reference is None else [start_reference],
+            )
+            return
+        episode = EpisodeArrays.coerce(trajectory_file)
+        record = self._store.record_episode(
+            episode, step=step, outcome=outcome, start_reference=start_reference
         )
+        codes = np.array([int(record.outcome)], dtype=np.int64)
+        self._count(1, episode.length, codes, int(start_reference is not None))
 
     def record_episodes(
         self,
-        trajectory_files: Sequence[EpisodeArrays | Mapping[str, Any]] | EpisodeBatch,
-        episode_data: Sequence[Mapping[str, float] | None] | None,
-        step: int | Sequence[int],
+        episodes: EpisodeSource | Sequence[EpisodeArrays | Mapping[str, Any]],
+        steps: int | Sequence[int] | np.ndarray,
         *,
         outcomes: Sequence[EpisodeOutcome | int | str] | np.ndarray | EpisodeOutcome | int | str,
         start_references: Sequence[TrajectorySliceReference | None] | None = None,
@@ -129,39 +128,16 @@ class TrajectoryCaptureProcessor:
         """Record several finished episodes: the batch twin of :meth:`record_episode`, with
         store contents and counters identical to calling it for each episode in order.
 
-        ``trajectory_files`` is a sequence of episodes, an EpisodeBatch (concatenated
-        arrays) or an EpisodeColumns (cell-key columns and rewards, full arrays fetched only
-        for the episodes the repository keeps: the cheapest form). ``episode_data`` is None or one mapping (or None) per
-        episode, not interpreted. ``step`` and ``outcomes`` give one value for all episodes or
-        one per episode (outcomes may be an int array of codes); ``start_references`` is None
-        or one (optional) reference per episode. The whole batch is validated before anything
-        is recorded or counted (ValueError). Without a store only the counters move, with O(1)
+        ``episodes`` is any EpisodeSource (an EpisodeWindow or EpisodeColumns fetch the full
+        arrays only of the episodes the repository keeps: the cheapest forms) or a sequence
+        of episodes. ``steps`` and ``outcomes`` give one value for all episodes or one per
+        episode (outcomes may be an int array of codes); ``start_references`` is None or one
+        (optional) reference per episode. The whole batch is validated before anything is
+        recorded or counted (ValueError). Without a store only the counters move, with O(1)
         work per episode.
         """
-        is_batch = isinstance(trajectory_files, (EpisodeBatch, EpisodeColumns, EpisodeWindow))
-        if not is_batch and (
-            isinstance(trajectory_files, (EpisodeArrays, Mapping))
-            or not isinstance(trajectory_files, Sequence)
-        ):
-            raise ValueError(
-                "trajectory_files: expected a sequence of episodes or an EpisodeBatch, got "
-                f"{type(trajectory_files).__name__}"
-            )
-        count = len(trajectory_files)
-        if episode_data is not None:
-            if isinstance(episode_data, Mapping) or not isinstance(episode_data, Sequence):
-                raise ValueError(
-                    f"episode_data: expected None or one mapping per episode, got "
-                    f"{type(episode_data).__name__}"
-                )
-            if len(episode_data) != count:
-                raise ValueError(
-                    f"episode_data: expected {count} entries (one per episode), got "
-                    f"{len(episode_data)}"
-                )
-            for d in episode_data:
-                if d is not None and not isinstance(d, Mapping):
-                    raise ValueError(f"episode_data: expected a mapping, got {type(d)}")
+        source = as_source(episodes)
+        count = len(source)
         midpoints = 0
         if start_references is not None:
             if not isinstance(start_references, Sequence) or len(start_references) != count:
@@ -169,76 +145,42 @@ class TrajectoryCaptureProcessor:
                     f"start_references: expected None or {count} entries (one per episode)"
                 )
             midpoints = sum(r is not None for r in start_references)
-        if is_batch:
-            episodes = trajectory_files
-            total_steps = int(episodes.offsets[-1])
-        else:
-            episodes = [
-                e if isinstance(e, EpisodeArrays) else EpisodeArrays.coerce(e)
-                for e in trajectory_files
-            ]
-            total_steps = sum(e.rewards.shape[0] for e in episodes)
         if self._store is None:
-            outcome_codes = self._resolve_without_store(episodes, is_batch, step, outcomes)
+            codes = self._resolve_without_store(source, steps, outcomes)
         else:
-            if isinstance(episodes, (EpisodeWindow, EpisodeColumns)):
-                record = (
-                    self._store.record_episode_window
-                    if isinstance(episodes, EpisodeWindow)
-                    else self._store.record_episode_columns
-                )
-                outcome_codes = record(
-                    episodes,
-                    steps=step,
-                    outcomes=outcomes,
-                    start_references=start_references,
-                    records=False,
-                )
-            elif is_batch:
-                records = self._store.record_episode_batch(
-                    episodes, steps=step, outcomes=outcomes, start_references=start_references
-                )
-            elif count == 1:
-                records = [
-                    self._store.record_episode(
-                        episodes[0],
-                        step=_only(step, "step"),
-                        outcome=_only(outcomes, "outcomes"),
-                        start_reference=None if start_references is None else start_references[0],
-                    )
-                ]
-            else:
-                records = self._store.record_episodes(
-                    episodes, steps=step, outcomes=outcomes, start_references=start_references
-                )
-            if not isinstance(episodes, (EpisodeColumns, EpisodeWindow)):
-                outcome_codes = np.fromiter((r.outcome for r in records), np.int64, count=count)
-        per_outcome = np.bincount(outcome_codes, minlength=len(EpisodeOutcome)).tolist()
+            codes = self._store.record(
+                source, steps=steps, outcomes=outcomes, start_references=start_references
+            ).codes
+        self._count(count, int(source.offsets[-1]), codes, midpoints)
+
+    def _count(self, episodes: int, steps: int, codes: np.ndarray, midpoints: int) -> None:
+        """Add recorded episodes to the capture counters (``codes``: their outcome codes)."""
+        per_outcome = np.bincount(codes, minlength=len(EpisodeOutcome)).tolist()
         with self._lock:
             c = self._counters
-            c["episodes_captured"] += count
-            c["steps_captured"] += total_steps
+            c["episodes_captured"] += episodes
+            c["steps_captured"] += steps
             for o, n in zip(EpisodeOutcome, per_outcome, strict=True):
                 if n:
                     c[f"outcome_{o.name.lower()}"] += n
             c["midpoint_start_episodes"] += midpoints
 
     def _resolve_without_store(
-        self, episodes: Any, is_batch: bool, step: Any, outcomes: Any
+        self, source: EpisodeSource, steps: Any, outcomes: Any
     ) -> np.ndarray:
         """Without a store: validate the steps and outcomes as the store would and return the
         (E,) int64 outcome codes after the configured rule (numpy work for an int array of
         codes, a few Python operations per episode otherwise)."""
-        count = len(episodes)
-        if isinstance(step, np.ndarray) and step.dtype.kind in "iu" and step.shape == (count,):
+        count = len(source)
+        if isinstance(steps, np.ndarray) and steps.dtype.kind in "iu" and steps.shape == (count,):
             pass
-        elif isinstance(step, Sequence) and not isinstance(step, str):
-            if len(step) != count:
-                raise ValueError(f"step: expected an int or {count} ints (one per episode)")
-            for one in step:
+        elif isinstance(steps, Sequence) and not isinstance(steps, str):
+            if len(steps) != count:
+                raise ValueError(f"steps: expected an int or {count} ints (one per episode)")
+            for one in steps:
                 _check_int_step(one)
         else:
-            _check_int_step(step)
+            _check_int_step(steps)
         if isinstance(outcomes, np.ndarray) and outcomes.dtype.kind in "iu":
             codes = outcomes.astype(np.int64).reshape(-1)
             if codes.shape[0] != count:
@@ -260,10 +202,7 @@ class TrajectoryCaptureProcessor:
         rule = None if self._configuration is None else self._configuration.outcome_rule
         if rule is not None and rule.kind != "none":
             for i in np.flatnonzero(codes == EpisodeOutcome.UNKNOWN).tolist():
-                if is_batch:
-                    rewards = episodes.rewards[episodes.offsets[i] : episodes.offsets[i + 1]]
-                else:
-                    rewards = episodes[i].rewards
+                rewards = source.episode(i).rewards
                 episode_return = float(np.sum(rewards, dtype=np.float64))
                 codes[i] = rule.resolve(EpisodeOutcome.UNKNOWN, episode_return)
         return codes
@@ -364,15 +303,6 @@ class TrajectoryCaptureProcessor:
 def _check_int_step(step: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise ValueError(f"step: expected an int, got {step!r}")
-
-
-def _only(value: Any, name: str) -> Any:
-    """The value for a batch of one: itself, or the only entry of a sequence / array."""
-    if isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, str):
-        if len(value) != 1:
-            raise ValueError(f"{name}: expected 1 value (one per episode), got {len(value)}")
-        value = value[0]
-    return int(value) if isinstance(value, np.integer) else value
 
 
 def _read(path: str | None) -> bytes:

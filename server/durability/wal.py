@@ -63,9 +63,11 @@ import re
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal, NamedTuple, Self
+
+from . import files
 
 try:
     import fcntl
@@ -88,6 +90,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+Buffer = bytes | bytearray | memoryview
 FsyncPolicy = Literal["always", "batch", "never"]
 FSYNC_POLICIES: tuple[str, ...] = ("always", "batch", "never")
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
@@ -153,38 +156,16 @@ def _list_segments(directory: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fdatasync(fd: int) -> None:
-    getattr(os, "fdatasync", os.fsync)(fd)
-
-
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    views = [v for v in parts if v.nbytes]
-    while views:
-        written = os.writev(fd, views)
-        while written and views:
-            if written >= views[0].nbytes:
-                written -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][written:]
-                written = 0
-
-
 def _segment_header(first_index: int) -> bytes:
     head = _SEG.pack(SEGMENT_MAGIC, SEGMENT_VERSION, 0, first_index, 0)[:-4]
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def _record_header(index: int, body: memoryview) -> bytes:
-    head = _REC.pack(RECORD_MARKER, body.nbytes, index, zlib.crc32(body), 0)[:-4]
+def _record_header(index: int, parts: list[memoryview], length: int) -> bytes:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    head = _REC.pack(RECORD_MARKER, length, index, crc, 0)[:-4]
     return head + struct.pack("<I", zlib.crc32(head))
 
 
@@ -537,7 +518,7 @@ class WriteAheadLog:
         self._next = scan.next_index
         self._synced = self._next
         if self._fsync != "never":
-            _fdatasync(self._fd)
+            files.fdatasync(self._fd)
         if self._next < start_index:
             logger.warning(
                 "write-ahead log %s ends before index %d (next would be %d); continuing in "
@@ -553,10 +534,10 @@ class WriteAheadLog:
         path = self._dir / segment_name(first_index)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, [memoryview(_segment_header(first_index))])
+            files.write_all(fd, [_segment_header(first_index)])
             if self._fsync != "never":
-                _fdatasync(fd)
-                _fsync_directory(self._dir)
+                files.fdatasync(fd)
+                files.fsync_directory(self._dir)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -607,8 +588,9 @@ class WriteAheadLog:
             self._failed = exc
             logger.error("write-ahead log %s: refusing further appends: %s", self._dir, exc)
 
-    def append(self, record: bytes | bytearray | memoryview) -> int:
-        """Append one record; return its index.  Thread-safe.
+    def append(self, record: bytes | bytearray | memoryview | Sequence[Buffer]) -> int:
+        """Append one record (a buffer, or a sequence of buffers that make one record body
+        together, written without joining them); return its index.  Thread-safe.
 
         With ``fsync="always"`` the record is on disk when this returns.  An ``OSError``
         (e.g. ENOSPC) propagates; the partial record is truncated away so the log stays
@@ -616,30 +598,25 @@ class WriteAheadLog:
         refuses further appends (:class:`WALError`) until reopened, and the partial record
         is dropped as a torn tail on the next open.
         """
-        body = memoryview(record)
-        if body.ndim != 1 or body.format != "B":
-            body = body.cast("B")
-        if body.nbytes > MAX_RECORD_BYTES:
-            raise ValueError(
-                f"record is {body.nbytes} bytes; at most {MAX_RECORD_BYTES} are allowed"
-            )
+        pieces = record if isinstance(record, (list, tuple)) else [record]
+        parts = [memoryview(p).cast("B") for p in pieces]
+        length = sum(p.nbytes for p in parts)
+        if length > MAX_RECORD_BYTES:
+            raise ValueError(f"record is {length} bytes; at most {MAX_RECORD_BYTES} are allowed")
         with self._lock:
             self._check_usable()
-            if (
-                self._size > _SEG.size
-                and self._size + _REC.size + body.nbytes > self._segment_bytes
-            ):
+            if self._size > _SEG.size and self._size + _REC.size + length > self._segment_bytes:
                 self._roll(self._next)
             index = self._next
             try:
-                _write_all(self._fd, [memoryview(_record_header(index, body)), body])
+                files.write_all(self._fd, [_record_header(index, parts, length), *parts])
             except BaseException:
                 try:
                     os.ftruncate(self._fd, self._size)
                 except OSError as exc:
                     self._fail(exc)
                 raise
-            self._size += _REC.size + body.nbytes
+            self._size += _REC.size + length
             self._next = index + 1
         if self._fsync == "always":
             self._sync_through(index + 1)
@@ -651,7 +628,7 @@ class WriteAheadLog:
         old = self._fd
         if self._fsync != "never":
             try:
-                _fdatasync(old)
+                files.fdatasync(old)
             except OSError as exc:
                 os.close(fd)
                 self._fail(exc)
@@ -675,7 +652,7 @@ class WriteAheadLog:
                 target = self._next
                 fd = os.dup(self._fd)  # the segment may be rolled and closed meanwhile
             try:
-                _fdatasync(fd)
+                files.fdatasync(fd)
             except OSError as exc:
                 with self._lock:
                     self._fail(exc)
@@ -714,7 +691,7 @@ class WriteAheadLog:
                 path.unlink(missing_ok=True)
                 removed += 1
             if removed and self._fsync != "never":
-                _fsync_directory(self._dir)
+                files.fsync_directory(self._dir)
             return removed
 
     def close(self) -> None:
@@ -728,7 +705,7 @@ class WriteAheadLog:
             self._closed = True
             try:
                 if self._fsync != "never" and self._failed is None and self._synced < self._next:
-                    _fdatasync(self._fd)
+                    files.fdatasync(self._fd)
                     self._synced = self._next
             finally:
                 os.close(self._fd)

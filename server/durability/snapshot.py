@@ -4,7 +4,8 @@ Container: magic b"RRSTATE1", uint64 header length, a JSON header
 ({"meta": ..., "sizes": [...]}) and the blobs it refers to by index. No pickle:
 runtime state can arrive from a client, so loading never executes anything.
 Chunks are kept exactly as they arrived (compressed); the caller wraps the
-container in the checksummed checkpoint format.
+container in the checksummed checkpoint format. A state is checked like live input when
+it is loaded: names, counters and arrays.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from recorder_client._proto import recorder_pb2 as pb
-
-from .episodes import EncodedArray, EpisodeTable, StoredChunk, WorkerTimeline
+from ..chunks import EncodedArray, SessionConfig
+from ..episodes import EpisodeTable, StoredChunk
+from ..errors import RequestError
 
 MAGIC = b"RRSTATE1"
-FORMAT = "recorder.session_state.v1"
+FORMAT = "recorder.session_state.v2"
+# Session counters a state carries, each an int in [0, 2**63).
+COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
+_WORKER_COUNTERS = ("episodes_finished", "raw_bytes", "wire_bytes", "chunks_dropped")
 
 
 class SnapshotError(ValueError):
@@ -105,7 +109,6 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
             "index": tl.index,
             "last_sequence": session.last_sequence[worker_id],
             "num_envs": tl.num_envs,
-            "state_names": None if tl.state_names is None else list(tl.state_names),
             "t_total": tl.t_total,
             "episodes_finished": tl.episodes_finished,
             "raw_bytes": tl.raw_bytes,
@@ -117,7 +120,7 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
         if tl.open_start is not None:
             entry["open_start"] = blobs.array(tl.open_start)
             entry["finished_per_env"] = blobs.array(tl.finished_per_env)
-        tails = session.feeder.tails_state()
+        tails = session.feeder.state()
         if tl.index in tails:
             entry["feeder"] = {k: blobs.array(v) for k, v in tails[tl.index].items()}
         workers.append(entry)
@@ -128,7 +131,7 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
     meta = {
         "format": FORMAT,
         "name": session.name,
-        "config": blobs.add(session.config.to_proto().SerializeToString()),
+        "config": session.config.to_dict(),
         "schema": (
             None
             if session.schema is None
@@ -148,48 +151,86 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
     return meta, blobs.items
 
 
-def session_config(meta: dict[str, Any], blobs: list[memoryview]) -> pb.SessionConfig:
-    if meta.get("format") != FORMAT:
-        raise SnapshotError(f"state: expected format {FORMAT!r}, got {meta.get('format')!r}")
-    return pb.SessionConfig.FromString(bytes(blobs[meta["config"]]))
+def session_config(meta: dict[str, Any]) -> SessionConfig:
+    """The configuration a state was saved with (checked)."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise SnapshotError(f"state: expected format {FORMAT!r}, got {got!r}")
+    try:
+        return SessionConfig.from_dict(meta.get("config"))
+    except RequestError as exc:
+        raise SnapshotError(f"state: {exc}") from None
 
 
 def restore_session(session: Any, meta: dict[str, Any], blobs: list[memoryview]) -> None:
     """Fill a new, empty Session (built from session_config) with the saved state."""
     try:
         _restore(session, meta, blobs)
-    except (KeyError, IndexError, TypeError) as exc:
+    except RequestError as exc:
+        raise SnapshotError(f"state: {exc}") from None
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        if isinstance(exc, SnapshotError):
+            raise
         raise SnapshotError(f"state: missing or malformed entry ({exc!r})") from None
 
 
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise SnapshotError(f"state.{what}: expected an int in [0, 2**63), got {value!r}")
+    return value
+
+
 def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview]) -> None:
-    import threading
+    from ..session import check_worker_id
 
     if meta["schema"] is not None:
         session.schema = {
-            k: (np.dtype(d), tuple(int(x) for x in t)) for k, (d, t) in meta["schema"].items()
+            str(k): (np.dtype(d), tuple(_count(x, "schema") for x in t))
+            for k, (d, t) in meta["schema"].items()
         }
-    for name, value in meta["counters"].items():
-        setattr(session, name, int(value))
+    counters = meta["counters"]
+    if set(counters) != set(COUNTERS):
+        raise SnapshotError(
+            f"state.counters: expected {sorted(COUNTERS)}, got {sorted(map(str, counters))}"
+        )
+    for name in COUNTERS:
+        setattr(session, name, _count(counters[name], f"counters.{name}"))
     tails = {}
-    for entry in sorted(meta["workers"], key=lambda w: w["index"]):
-        tl = WorkerTimeline(entry["id"], int(entry["index"]))
-        tl.num_envs = entry["num_envs"]
-        tl.state_names = None if entry["state_names"] is None else tuple(entry["state_names"])
+    workers = sorted(meta["workers"], key=lambda w: _count(w["index"], "workers.index"))
+    if [w["index"] for w in workers] != list(range(len(workers))):
+        raise SnapshotError("state.workers: expected indexes 0, 1, 2, ... in join order")
+    if len(workers) > session.max_workers:
+        raise SnapshotError(
+            f"state.workers: this server allows at most {session.max_workers} workers per "
+            f"session, got {len(workers)}"
+        )
+    for entry in workers:
+        worker_id = check_worker_id(str(entry["id"]))
+        if worker_id in session.workers:
+            raise SnapshotError(f"state.workers: worker {worker_id!r} appears twice")
+        tl = session.add_worker(
+            worker_id, entry["index"], _count(entry["last_sequence"], "last_sequence")
+        )
+        tl.num_envs = None if entry["num_envs"] is None else _count(entry["num_envs"], "num_envs")
         for c in entry["chunks"]:
             arrays = {
-                key: EncodedArray(
+                str(key): EncodedArray(
                     np.dtype(a["dtype"]),
-                    tuple(a["shape"]),
-                    int(a["codec"]),
+                    tuple(_count(x, "shape") for x in a["shape"]),
+                    _count(a["codec"], "codec"),
                     bytes(blobs[a["blob"]]),
                 )
                 for key, a in c["arrays"].items()
             }
             tl.chunks.append(
-                StoredChunk(int(c["t0"]), int(c["length"]), arrays, int(c["wire_bytes"]))
+                StoredChunk(
+                    _count(c["t0"], "t0"),
+                    _count(c["length"], "length"),
+                    arrays,
+                    _count(c["wire_bytes"], "wire_bytes"),
+                )
             )
-        tl.t_total = int(entry["t_total"])
+        tl.t_total = _count(entry["t_total"], "t_total")
         table = [_array(spec, blobs) for spec in entry["table"]]
         tl.table = (
             EpisodeTable([table[0]], [table[1]], [table[2]]) if table[0].size else EpisodeTable()
@@ -197,14 +238,11 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview]) -> Non
         if "open_start" in entry:
             tl.open_start = _array(entry["open_start"], blobs)
             tl.finished_per_env = _array(entry["finished_per_env"], blobs)
-        for name in ("episodes_finished", "raw_bytes", "wire_bytes", "chunks_dropped"):
-            setattr(tl, name, int(entry[name]))
-        session.workers[tl.worker_id] = tl
-        session.last_sequence[tl.worker_id] = int(entry["last_sequence"])
-        session.worker_locks[tl.worker_id] = threading.Lock()
+        for name in _WORKER_COUNTERS:
+            setattr(tl, name, _count(entry[name], name))
         if "feeder" in entry:
             tails[tl.index] = {k: _array(v, blobs) for k, v in entry["feeder"].items()}
     session.processor.load_state_dict(meta["capture_runtime"])
     if meta["store"] is not None and session.processor.store is not None:
         session.processor.load_trajectory_store_checkpoint_data(bytes(blobs[meta["store"]]))
-    session.feeder.restore_tails(tails, list(session.workers.values()))
+    session.feeder.restore(tails, list(session.workers.values()))

@@ -1,26 +1,38 @@
-"""The feeder's streaming store path (cell-key columns and rewards per step, full arrays
-fetched only for stored episodes) against recording each episode with record_episode."""
+"""The ingest path with a trajectory store (cell keys and rewards read in place from the
+session's window, stored episodes read back from its chunks only when first needed),
+through a real Session and the feeder's own interface, against recording each episode
+directly with record_episode."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from recorder_client import codec
+from recorder_client import _wire
 from recorder_client.capture_types import (
     CellField,
+    EpisodeOutcome,
     OutcomeRule,
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_server.capture import TrajectoryCaptureProcessor, build_store
-from recorder_server.episodes import EncodedArray, StoredChunk
-from recorder_server.feeder import ChunkEpisodes, EpisodeFeeder
-from recorder_server.store import EpisodeArrays
+from recorder_server.chunks import Chunk, SessionConfig, encoded_array
+from recorder_server.durability import snapshot
+from recorder_server.episodes import WorkerTimeline
+from recorder_server.ingest import ChunkEpisodes, EpisodeFeeder
+from recorder_server.ingest.buffers import BufferPool
+from recorder_server.ingest.held import EpisodeBound
+from recorder_server.ingest.window import small_pages, widened
+from recorder_server.metrics import NullMetrics
+from recorder_server.session import Session
+from recorder_server.store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
+from recorder_server.store.repository import encode_episode
+
+_FIELDS = ("player_positions", "player_inventory")
 
 
 class _Metrics:
@@ -127,7 +139,7 @@ def _episodes(whole: dict[str, np.ndarray], env, start, end) -> list[EpisodeArra
 def _record_refusing_non_finite(reference, whole, env, start, end, step) -> int:
     """Record one chunk's episodes directly; 1 if the batch was refused (non-finite), else 0."""
     try:
-        reference.record_episodes(_episodes(whole, env, start, end), None, step, outcomes=0)
+        reference.record_episodes(_episodes(whole, env, start, end), step, outcomes=0)
     except ValueError as exc:
         assert "non-finite" in str(exc)
         return 1
@@ -144,129 +156,152 @@ def _assert_same_trajectories(a, b) -> None:
             np.testing.assert_array_equal(x.states[k], y.states[k])
 
 
-def _stored(t0: int, arrays: dict[str, np.ndarray]) -> StoredChunk:
+def _assert_same_checkpoints(a, b, chosen: int = 0) -> None:
+    """Equal checkpoints, but for ``chosen`` more start choices counted in ``a``."""
+    sa, sb = a.checkpoint_state(), b.checkpoint_state()
+    assert sa["counters"] == sb["counters"]
+    assert sa["arrays"].keys() == sb["arrays"].keys()
+    for name, value in sa["arrays"].items():
+        other = sb["arrays"][name]
+        if name == "archive/times_chosen":
+            assert int(value.sum()) - int(other.sum()) == chosen
+        else:
+            np.testing.assert_array_equal(value, other, err_msg=name)
+
+
+def _core_chunk(sequence: int, arrays: dict[str, np.ndarray]) -> Chunk:
+    """A chunk as the gRPC edge hands it to a session (headers checked, bytes encoded)."""
     encoded = {}
-    for k, a in arrays.items():
-        msg = codec.encode_array(a)
-        encoded[k] = EncodedArray(a.dtype, a.shape, msg.codec, msg.data)
-    return StoredChunk(t0, arrays["reward"].shape[0], encoded, 0)
+    for key, arr in arrays.items():
+        arr = np.ascontiguousarray(arr)
+        codec, data = _wire.encode(arr)
+        encoded[key] = encoded_array(
+            arr.dtype.str, arr.shape, arr.nbytes, codec, data, key, 1 << 40
+        )
+    return Chunk(sequence, encoded)
 
 
-@pytest.mark.parametrize("encoded", [False, True])
+def _session(config, workers=("w",)) -> Session:
+    session = Session("s", SessionConfig(None, True, _FIELDS, config), NullMetrics())
+    for worker in workers:
+        session.join(worker, session.config)
+    return session
+
+
+def _session_fed(chunks, config, session=None, first=1) -> Session:
+    """A real Session with a store, each chunk applied as the service applies it (drained
+    after each, so that every chunk finds the buffers the last one gave back)."""
+    session = session or _session(config)
+    for i, (_, arrays, _, _, _) in enumerate(chunks):
+        session.apply("w", _core_chunk(first + i, arrays), log=False)
+        assert session.drain(30)
+    return session
+
+
+def _reference(chunks, config, steps_per_chunk=None) -> TrajectoryCaptureProcessor:
+    """Every chunk's episodes recorded one by one with record_episode."""
+    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
+    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+    steps_before = 0
+    for _, arrays, env, start, end in chunks:
+        for episode in _episodes(whole, env, start, end):
+            reference.record_episode(episode, {}, steps_before, outcome=0)
+        steps_before += arrays["reward"].size
+    return reference
+
+
+def _items(streams, order):
+    """The feeder's input for chunks of several workers in ``order``: each chunk split on
+    its worker's timeline as a session splits it; the step counts the env steps before it."""
+    timelines = {}
+    items, steps = [], 0
+    for w, c in order:
+        t0, arrays, _, _, _ = streams[w][c]
+        timeline = timelines.setdefault(w, WorkerTimeline(f"w{w}", w))
+        stored = _core_chunk(c + 1, {k: v for k, v in arrays.items() if k != "done"})
+        env, start, end = timeline.add_chunk(arrays["done"], stored.arrays, stored.wire_bytes)
+        assert timeline.chunks[-1].t0 == t0
+        items.append(
+            ChunkEpisodes(
+                w, timeline.chunks[-1], dict(arrays), env, start, end, timeline.oldest_open(), steps
+            )
+        )
+        steps += arrays["reward"].size
+    return items, timelines
+
+
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
 @pytest.mark.parametrize(
     "widen_from, key_shift", [(None, 0), (5, 3 << 33), (5, 1 << 20)], ids=["narrow", "64", "32"]
 )
-def test_streaming_feeder_matches_record_episode(encoded, capacity, widen_from, key_shift):
-    length, num_envs = 16, 8
-    chunks = _chunks(3, 14, length, num_envs, widen_from, key_shift)
+def test_session_store_equals_recording_each_episode(capacity, widen_from, key_shift):
+    """Chunks applied to a session (keys widening from int16 to int32 or int64, rewards to
+    float64 mid-stream) leave the store as recording every finished episode directly."""
+    chunks = _chunks(3, 14, 16, 8, widen_from, key_shift)
     config = _config(capacity)
-
-    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    feeder = EpisodeFeeder("s", streamed, _Metrics())
+    session = _session_fed(chunks, config)
     try:
-        for i, (t0, arrays, env, start, end) in enumerate(chunks):
-            stored = _stored(t0, arrays) if encoded else None
-            steps = i * length * num_envs
-            # A dict of its own: the feeder empties the one it is handed.
-            feeder.submit(ChunkEpisodes(0, t0, dict(arrays), env, start, end, steps, stored))
-        assert feeder.drain(30)
+        streamed, reference = session.processor, _reference(chunks, config)
+        a, b = streamed.store, reference.store
+        _assert_same_checkpoints(a, b)
+        assert a.snapshot_potential("win_proximity", ["x", "y"]) == b.snapshot_potential(
+            "win_proximity", ["x", "y"]
+        )
+        assert a.trajectory_ids() == b.trajectory_ids()
+        assert a.trajectory_ids()  # something was stored
+        _assert_same_trajectories(a, b)
+        counters = streamed.runtime_state_dict()["counters"]
+        assert counters == reference.runtime_state_dict()["counters"]
+        if capacity < 1 << 20:
+            assert a.checkpoint_state()["counters"]["episodes"] > len(a.trajectory_ids())
     finally:
-        feeder.close()
-
-    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
-    for i, (_, _, env, start, end) in enumerate(chunks):
-        for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
-            episode = EpisodeArrays(
-                actions=whole["action"][s:t, e],
-                rewards=whole["reward"][s:t, e],
-                states={
-                    "player_positions": whole["state:player_positions"][s:t, e],
-                    "player_inventory": whole["state:player_inventory"][s:t, e],
-                },
-            )
-            reference.record_episode(episode, {}, i * length * num_envs, outcome=0)
-
-    a, b = streamed.store, reference.store
-    state_a, state_b = a.checkpoint_state(), b.checkpoint_state()
-    assert state_a["counters"] == state_b["counters"]
-    assert state_a["arrays"].keys() == state_b["arrays"].keys()
-    for name, value in state_a["arrays"].items():
-        np.testing.assert_array_equal(value, state_b["arrays"][name], err_msg=name)
-    assert a.snapshot_potential("win_proximity", ["x", "y"]) == b.snapshot_potential(
-        "win_proximity", ["x", "y"]
-    )
-    assert a.trajectory_ids() == b.trajectory_ids()
-    assert a.trajectory_ids()  # something was stored
-    _assert_same_trajectories(a, b)
-    assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
-    if capacity < 1 << 20:
-        assert state_a["counters"]["episodes"] > len(a.trajectory_ids())
+        session.close()
 
 
-def test_streaming_feeder_restore_tails_continues_identically():
-    """tails_state / restore_tails mid-stream (as a checkpoint does) changes nothing."""
-    length, num_envs = 16, 8
-    chunks = _chunks(5, 12, length, num_envs)
+def test_session_state_restored_mid_stream_continues_identically():
+    """A session's state taken mid-stream (as a checkpoint takes it) and restored into a new
+    session continues exactly as the session that never stopped."""
+    chunks = _chunks(5, 12, 16, 8)
     config = _config(1 << 30)
-
-    def feed(processor, feeder, part):
-        for i, (t0, arrays, env, start, end) in part:
-            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, i * length * num_envs))
-        assert feeder.drain(30)
-
-    one = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    f1 = EpisodeFeeder("a", one, _Metrics())
-    feed(one, f1, list(enumerate(chunks)))
-    f1.close()
-
-    two = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    f2 = EpisodeFeeder("b", two, _Metrics())
-    feed(two, f2, list(enumerate(chunks))[:7])
-    tails = f2.tails_state()
-
-    timeline = SimpleNamespace(index=0, chunks=[_stored(c[0], c[1]) for c in chunks[:7]])
-    f2.restore_tails({k: {n: v.copy() for n, v in d.items()} for k, d in tails.items()}, [timeline])
-    feed(two, f2, list(enumerate(chunks))[7:])
-    f2.close()
-    sa, sb = one.store.checkpoint_state(), two.store.checkpoint_state()
-    for name, value in sa["arrays"].items():
-        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+    whole = _session_fed(chunks, config)
+    half = _session_fed(chunks[:7], config)
+    try:
+        with half.lock:
+            meta, blobs = snapshot.session_state(half)
+            data = snapshot.pack(meta, blobs)
+        meta, blobs = snapshot.unpack(data)
+        restored = Session("s", snapshot.session_config(meta), NullMetrics())
+        snapshot.restore_session(restored, meta, blobs)
+        _session_fed(chunks[7:], config, session=restored, first=8)
+        _assert_same_checkpoints(whole.processor.store, restored.processor.store)
+        assert whole.status() == restored.status()
+        restored.close()
+    finally:
+        whole.close()
+        half.close()
 
 
-def test_streaming_feeder_refuses_only_batches_with_an_unkeyable_step():
-    """A NaN in a float cell field flags its step: the batch of the chunk in which an episode
-    through that step finishes is refused (as record_episodes refuses a batch with a bad
-    episode), and every other chunk's episodes are recorded as if recorded directly."""
-    length, num_envs = 16, 8
-    chunks = _chunks(7, 10, length, num_envs)
+def test_an_unkeyable_step_refuses_only_the_chunk_that_finishes_its_episode():
+    """A NaN in a float cell field flags its step: the chunk in which an episode through that
+    step finishes is not recorded (as record_episodes refuses a batch with a bad episode),
+    and every other chunk's episodes are recorded as if recorded directly."""
+    chunks = _chunks(7, 10, 16, 8)
     for _, arrays, _, _, _ in chunks:
         arrays["state:player_positions"] = arrays["state:player_positions"].astype(np.float64)
     chunks[3][1]["state:player_positions"][5, 2, 0, 1] = np.nan
     config = _config(1 << 30)
-
-    streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    feeder = EpisodeFeeder("s", streamed, _Metrics())
+    session = _session_fed(chunks, config)
     try:
-        for i, (t0, arrays, env, start, end) in enumerate(chunks):
-            steps = i * length * num_envs
-            feeder.submit(ChunkEpisodes(0, t0, arrays, env, start, end, steps))
-        assert feeder.drain(30)
+        reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
+        whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
+        refused = sum(
+            _record_refusing_non_finite(reference, whole, env, start, end, i * 16 * 8)
+            for i, (_, _, env, start, end) in enumerate(chunks)
+        )
+        assert refused == 1
+        _assert_same_checkpoints(session.processor.store, reference.store)
     finally:
-        feeder.close()
-
-    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
-    refused = sum(
-        _record_refusing_non_finite(reference, whole, env, start, end, i * length * num_envs)
-        for i, (_, _, env, start, end) in enumerate(chunks)
-    )
-    assert refused == 1
-    sa, sb = streamed.store.checkpoint_state(), reference.store.checkpoint_state()
-    assert sa["counters"] == sb["counters"]
-    for name, value in sa["arrays"].items():
-        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+        session.close()
 
 
 @pytest.mark.parametrize("batch", [1, 3, 100, None], ids=["1", "3", "all", "thread"])
@@ -274,9 +309,9 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     """A backlog of several workers' chunks is recorded in one store call (None: as the
     feeder's thread batches whatever is queued). The store equals recording every chunk's
     episodes in submission order, each at its chunk's step; a worker with more environments
-    joins late (the session's ring gains rows) and one chunk with a non-finite reward is
-    refused alone, as it would be if recorded on its own. Long first episodes make the ring
-    grow while several workers hold steps in it."""
+    joins late (the window gains rows) and one chunk with a non-finite reward is refused
+    alone, as it would be if recorded on its own. Long first episodes make the window grow
+    while several workers hold steps in it; nothing is held that no open episode needs."""
     length, sizes, count = 4, (8, 5, 40), 44
     streams = [_chunks(20 + w, count, length, n, long_until=40) for w, n in enumerate(sizes)]
     streams[1][4][1]["reward"][3, 2] = np.nan
@@ -285,16 +320,11 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
         order += [(0, c), (1, c)] + ([(2, c - 6)] if c >= 6 else [])
     order += [(2, c) for c in range(count - 6, count)]
     config = _config(1 << 30)
+    items, timelines = _items(streams, order)
+    steps_before = [item.env_steps_before for item in items]
 
     streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
     feeder = EpisodeFeeder("s", streamed, _Metrics())
-    items, steps_before = [], []
-    total = 0
-    for w, c in order:
-        t0, arrays, env, start, end = streams[w][c]
-        items.append(ChunkEpisodes(w, t0, arrays, env, start, end, total))
-        steps_before.append(total)
-        total += length * sizes[w]
     try:
         if batch is None:
             for item in items:
@@ -302,16 +332,11 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
             assert feeder.drain(30)
         else:
             for i in range(0, len(items), batch):
-                feeder._process_batch(items[i : i + batch])
-        compacted = 0
-        for tails in feeder._workers.values():  # nothing held that no open episode needs
-            assert tails.chunks[0].t0 + length > tails.open_start.min()
-            for chunk in tails.chunks:
-                # An old chunk keeps only about the environments whose open episode needs it.
-                need = np.count_nonzero(tails.open_start < chunk.t0 + length)
-                assert chunk.arrays["reward"].shape[1] < 8 * need
-                compacted += chunk.columns is not None
-        assert compacted
+                feeder.feed(items[i : i + batch])
+        for w, timeline in timelines.items():
+            held = feeder.held_chunks(w)
+            assert held[0][0] + held[0][1] > timeline.oldest_open()
+            assert held[-1][0] + held[-1][1] == timeline.t_total
     finally:
         feeder.close()
 
@@ -324,92 +349,33 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
     assert refused == 1
 
     a, b = streamed.store, reference.store
-    sa, sb = a.checkpoint_state(), b.checkpoint_state()
-    assert sa["counters"] == sb["counters"]
-    for name, value in sa["arrays"].items():
-        np.testing.assert_array_equal(value, sb["arrays"][name], err_msg=name)
+    _assert_same_checkpoints(a, b)
     assert a.trajectory_ids() == b.trajectory_ids()
     assert len(a.trajectory_ids()) > 10
     _assert_same_trajectories(a, b)
     assert streamed.runtime_state_dict()["counters"] == reference.runtime_state_dict()["counters"]
 
 
-_FIELDS = ("player_positions", "player_inventory")
-
-
-def _session_fed(chunks, config, alloc_spy=None):
-    """A real Session with a store, each chunk applied as the service applies it (drained
-    after each, so that every chunk finds the buffers the last one gave back)."""
-    from recorder_client._proto import recorder_pb2 as pb
-    from recorder_server.metrics import NullMetrics
-    from recorder_server.session import Session, SessionConfig
-
-    session = Session("s", SessionConfig(None, True, _FIELDS, config), NullMetrics())
-    session.join("w", session.config)
-    if alloc_spy is not None:
-        session.feeder.alloc = alloc_spy(session.feeder.buffers.take)
-    for i, (_, arrays, _, _, _) in enumerate(chunks):
-        msg = pb.Chunk(sequence=i + 1)
-        for name in ("action", "reward", "done"):
-            getattr(msg, name).CopyFrom(codec.encode_array(arrays[name]))
-        for name in _FIELDS:
-            msg.states.append(
-                pb.NamedArray(name=name, array=codec.encode_array(arrays[f"state:{name}"]))
-            )
-        session.apply("w", msg, 1 << 30, log=False)
-        assert session.feeder.drain(30)
-    return session
-
-
-def _reference(chunks, config) -> TrajectoryCaptureProcessor:
-    """Every chunk's episodes recorded one by one with record_episode."""
-    reference = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config))
-    whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
-    steps_before = 0
-    for _, arrays, env, start, end in chunks:
-        for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True):
-            episode = EpisodeArrays(
-                actions=whole["action"][s:t, e],
-                rewards=whole["reward"][s:t, e],
-                states={n: whole[f"state:{n}"][s:t, e] for n in _FIELDS},
-            )
-            reference.record_episode(episode, {}, steps_before, outcome=0)
-        steps_before += arrays["reward"].size
-    return reference
-
-
-def _assert_same_checkpoints(a, b, chosen: int = 0) -> None:
-    """Equal checkpoints, but for ``chosen`` more start choices counted in ``a``."""
-    sa, sb = a.checkpoint_state(), b.checkpoint_state()
-    assert sa["counters"] == sb["counters"]
-    for name, value in sa["arrays"].items():
-        other = sb["arrays"][name]
-        if name == "archive/times_chosen":
-            assert int(value.sum()) - int(other.sum()) == chosen
-        else:
-            np.testing.assert_array_equal(value, other, err_msg=name)
-
-
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
-def test_session_recycles_decode_buffers_without_corrupting_stored_episodes(capacity):
+def test_session_recycles_decode_buffers_without_corrupting_stored_episodes(capacity, monkeypatch):
     """Through Session.apply, a chunk's decode buffers go back to the pool once its cell keys
-    and rewards are in the ring (the chunk is held as the session keeps it, encoded): one
+    and rewards are in the window (the chunk is held as the session keeps it, encoded): one
     buffer per pooled array serves every chunk. The store still equals recording each episode
     directly, also when a small capacity makes it evict."""
-    length, num_envs = 16, 8
-    chunks = _chunks(11, 40, length, num_envs)
+    chunks = _chunks(11, 40, 16, 8)
     config = _config(capacity)
     taken = []
+    session = _session(config)
+    take = session.feeder.alloc
 
-    def spy(take):
-        def alloc(shape, dtype):
-            arr = take(shape, dtype)
-            taken.append(arr.__array_interface__["data"][0])
-            return arr
+    def alloc(shape, dtype):
+        arr = take(shape, dtype)
+        taken.append(arr.__array_interface__["data"][0])
+        return arr
 
-        return alloc
-
-    session = _session_fed(chunks, config, spy)
+    # A spy on the allocator the session decodes with.
+    monkeypatch.setattr(session.feeder, "alloc", alloc)
+    _session_fed(chunks, config, session=session)
     try:
         # action, reward and the two state fields (done is decoded apart).
         assert len(taken) == 4 * len(chunks) and len(set(taken)) <= 4
@@ -433,15 +399,14 @@ def test_stored_episodes_are_encoded_only_when_first_needed():
     session = _session_fed(chunks, config)
     try:
         store, reference = session.processor.store, _reference(chunks, config).store
-        repository = store._repository
         ids = store.trajectory_ids()
         assert ids == reference.trajectory_ids() and len(ids) > 3
-        assert repository.deferred == len(ids)
+        assert store.metrics()["repository_deferred"] == len(ids)
         bounded = store.metrics()["repository_bytes"]
         assert bounded >= reference.metrics()["repository_bytes"]
 
         x, y = store.trajectory(ids[1]), reference.trajectory(ids[1])
-        assert repository.deferred == len(ids) - 1
+        assert store.metrics()["repository_deferred"] == len(ids) - 1
         np.testing.assert_array_equal(x.actions, y.actions)
         np.testing.assert_array_equal(x.rewards, y.rewards)
         for k in y.states:
@@ -453,7 +418,7 @@ def test_stored_episodes_are_encoded_only_when_first_needed():
         np.testing.assert_array_equal(prefix.actions, whole.actions[: ref.step + 1])
 
         _assert_same_checkpoints(store, reference, chosen=1)
-        assert repository.deferred == 0
+        assert store.metrics()["repository_deferred"] == 0
         assert store.metrics()["repository_bytes"] == reference.metrics()["repository_bytes"]
     finally:
         session.close()
@@ -467,18 +432,17 @@ def test_session_reset_encodes_the_episodes_read_from_its_chunks():
     session = _session_fed(chunks, config)
     try:
         store, reference = session.processor.store, _reference(chunks, config).store
-        assert store._repository.deferred > 0
+        assert store.metrics()["repository_deferred"] > 0
         session.reset()
-        assert store._repository.deferred == 0
-        assert all(not tl.chunks for tl in session.workers.values())
+        assert store.metrics()["repository_deferred"] == 0
+        assert all(w.chunks_stored == 0 for w in session.status().workers)
         assert store.trajectory_ids() == reference.trajectory_ids()
         _assert_same_trajectories(store, reference)
     finally:
         session.close()
 
 
-@pytest.mark.parametrize("encoded", [False, True])
-def test_episodes_longer_than_the_held_tail_are_counted_not_stored(encoded):
+def test_episodes_longer_than_the_held_tail_are_counted_not_stored():
     """Under a small tail cap the oldest held chunks go even while an open episode needs
     them: that episode is counted as too long for the store and never recorded half, and
     every other episode is recorded as recording it directly would."""
@@ -487,17 +451,14 @@ def test_episodes_longer_than_the_held_tail_are_counted_not_stored(encoded):
     chunks = _chunks(23, 12, length, num_envs, long_until=8, done_every=4)
     config = _config(1 << 30)
     streamed = TrajectoryCaptureProcessor(config, _Metrics(), build_store(config, seed=1))
-    # A held encoded chunk counts its room in the ring (3,072 bytes here), a decoded one its
-    # bytes (512 once only env 0's column is kept): at most a few chunks fit.
+    # A held chunk counts its room in the window (3,072 bytes here): at most a few fit.
     feeder = EpisodeFeeder("s", streamed, _Metrics(), max_tail_bytes=3000)
+    items, _ = _items([chunks], [(0, c) for c in range(len(chunks))])
     try:
         # One chunk per call, as when the feeder keeps up (it trims after each call).
-        for i, (t0, arrays, env, start, end) in enumerate(chunks):
-            stored = _stored(t0, arrays) if encoded else None
-            steps = i * length * num_envs
-            item = ChunkEpisodes(0, t0, dict(arrays), env, start, end, steps, stored)
-            feeder._process_batch([item])
-            assert len(feeder._workers[0].chunks) <= 2
+        for item in items:
+            feeder.feed([item])
+            assert len(feeder.held_chunks(0)) <= 2
     finally:
         feeder.close()
     assert feeder.truncated_episodes == 1
@@ -506,26 +467,46 @@ def test_episodes_longer_than_the_held_tail_are_counted_not_stored(encoded):
     whole = {k: np.concatenate([c[1][k] for c in chunks]) for k in chunks[0][1]}
     for i, (_, _, env, start, end) in enumerate(chunks):
         episodes = [
-            EpisodeArrays(
-                actions=whole["action"][s:t, e],
-                rewards=whole["reward"][s:t, e],
-                states={n: whole[f"state:{n}"][s:t, e] for n in _FIELDS},
-            )
-            for e, s, t in zip(env.tolist(), start.tolist(), end.tolist(), strict=True)
-            if t - s == 4  # all but env 0's long first episode
-        ]
+            e for e in _episodes(whole, env, start, end) if e.length == 4
+        ]  # all but env 0's long first episode
         assert len(episodes) == env.size - (i == 8)
-        reference.record_episodes(episodes, None, i * length * num_envs, outcomes=0)
+        reference.record_episodes(episodes, i * length * num_envs, outcomes=0)
     _assert_same_checkpoints(streamed.store, reference.store)
     _assert_same_trajectories(streamed.store, reference.store)
+
+
+def test_an_outcome_carries_to_the_chunk_that_ends_its_episode():
+    """An episode's outcome is its last non-zero code, also when the chunk that ends it
+    carries no codes (or only zeros) and the code came in an earlier chunk."""
+    session = Session("o", SessionConfig(None, False, ()), NullMetrics())
+    session.join("w", session.config)
+    done = np.zeros((4, 3), bool)
+    codes = np.zeros((4, 3), np.int8)
+    codes[2, 0] = int(EpisodeOutcome.WIN)  # env 0: a win, its episode still open
+    codes[1, 1] = int(EpisodeOutcome.LOSS)
+    done[3, 1] = True  # env 1: ends here, a loss
+    first = {"action": np.zeros((4, 3), np.int32), "reward": np.ones((4, 3), np.float32)}
+    session.apply("w", _core_chunk(1, {**first, "done": done, "outcome": codes}), log=False)
+    done2 = np.zeros((4, 3), bool)
+    done2[1, 0] = done2[2, 2] = True  # env 0 ends (the win), env 2 ends (no code: unknown)
+    session.apply("w", _core_chunk(2, {**first, "done": done2}), log=False)
+    session.apply(
+        "w",
+        _core_chunk(3, {**first, "done": done2, "outcome": np.zeros((4, 3), np.int8)}),
+        log=False,
+    )
+    assert session.drain(30)
+    counters = session.processor.runtime_state_dict()["counters"]
+    session.close()
+    assert counters["episodes_captured"] == 5
+    assert counters["outcome_win"] == 1 and counters["outcome_loss"] == 1
+    assert counters["outcome_unknown"] == 3
 
 
 @pytest.mark.parametrize("width", [1, 3])
 def test_one_or_three_cell_fields_through_a_session(width):
     """The window's grouping for other than two cell fields (its general code loop) equals
     recording every episode directly."""
-    import dataclasses
-
     fields = (
         CellField("player_positions", (0, 0), bucket=2, name="x"),
         CellField("player_positions", (0, 1), bucket=2, name="y"),
@@ -566,9 +547,6 @@ def test_deferred_episodes_evict_exactly_what_encoding_on_arrival_would(share):
 def test_deferred_size_bound_holds_for_incompressible_episodes(length):
     """The bound a deferred episode counts is never below its encoded size, even for
     random bytes (which zstd cannot shrink), and is not far above their raw size."""
-    from recorder_server.feeder import _BoundCache
-    from recorder_server.store.repository import encode_episode
-
     rng = np.random.default_rng(length)
     chunk_len, num_envs = max(length, 1), 3
     arrays = {
@@ -577,7 +555,7 @@ def test_deferred_size_bound_holds_for_incompressible_episodes(length):
         "state:frames": rng.integers(0, 256, (chunk_len, num_envs, 3, 5, 7), dtype=np.uint8),
         "state:player_positions": rng.integers(0, 2**31, (chunk_len, num_envs, 1, 2)),
     }
-    bound = _BoundCache(_stored(0, arrays).arrays)(length)
+    bound = EpisodeBound(_core_chunk(1, arrays).arrays)(length)
     episode = EpisodeArrays(
         actions=arrays["action"][:length, 1],
         rewards=arrays["reward"][:length, 1],
@@ -591,40 +569,37 @@ def test_deferred_size_bound_holds_for_incompressible_episodes(length):
 def test_buffer_pool_when_full_keeps_the_shapes_in_use_and_drops_stale_ones():
     """A full pool lets the extra buffer go but keeps its warm ones of the shapes in use, also
     through a burst of releases; a shape no take asked for lately is dropped once full."""
-    from recorder_server.feeder import BufferPool
-
     pool = BufferPool(max_bytes=4 * 800, stale_takes=4)
     # Each array's only holder is its dict, as for a held chunk (800 bytes each).
     old = [{"a": pool.take((100,), np.float64)} for _ in range(2)]
     new = [{"a": pool.take((10, 10), np.float64)} for _ in range(3)]
+    # The first two (10, 10) buffers stay in the pool (alive: no fresh one takes their id).
+    warm = {id(new[0]["a"]), id(new[1]["a"])}
     for batch in old + new + [{"a": np.empty((10, 10))}]:  # a burst: two over the cap
         pool.give_all(batch)
     # 4 of the 6 fit: the last two handed back were let go, the warm ones kept.
-    assert pool._bytes == 4 * 800
-    assert {(k[1], len(v)) for k, v in pool._free.items()} == {((100,), 2), ((10, 10), 2)}
+    assert pool.nbytes == 4 * 800
+    assert pool.free_count((100,), np.float64) == 2 and pool.free_count((10, 10), np.float64) == 2
     # From now on only (10, 10) is taken: the (100,) buffers go once the pool is full.
-    warm = {id(a) for a in pool._free[("<f8", (10, 10))]}  # alive: no fresh one has their id
     taken = [{"a": pool.take((10, 10), np.float64)} for _ in range(4)]
     assert len({id(b["a"]) for b in taken} & warm) == 2  # the warm ones, reused
-    assert pool._bytes == 2 * 800
+    assert pool.nbytes == 2 * 800
     for batch in taken:
         pool.give_all(batch)
-    assert {k[1]: len(v) for k, v in pool._free.items()} == {(10, 10): 4}
-    assert pool._bytes == 4 * 800
+    assert pool.free_count((100,), np.float64) == 0 and pool.free_count((10, 10), np.float64) == 4
+    assert pool.nbytes == 4 * 800
 
 
 def test_ring_memory_is_zeroed_and_kept_off_huge_pages():
     """Ring arrays (8 MiB: numpy alone would ask for huge pages) are zeroed, writable and,
     where the kernel reports it, mapped with no-huge-pages advice."""
-    from recorder_server.feeder import _small_pages, _widened
-
-    ring = _small_pages((2, 1024, 2048), np.int16)
+    ring = small_pages((2, 1024, 2048), np.int16)
     assert ring.shape == (2, 1024, 2048) and ring.dtype == np.int16
     assert not ring.any() and ring.flags.writeable and ring.flags.c_contiguous
     ring[1, 3, 5] = 7
-    wide = _widened(ring, np.int32)
+    wide = widened(ring, np.int32)
     assert wide.dtype == np.int32 and wide[1, 3, 5] == 7 and int(wide.sum()) == 7
-    assert _small_pages((0, 4), np.float32).shape == (0, 4)
+    assert small_pages((0, 4), np.float32).shape == (0, 4)
     smaps = Path("/proc/self/smaps")
     if not hasattr(mmap, "MADV_NOHUGEPAGE") or not smaps.exists():
         pytest.skip("no MADV_NOHUGEPAGE or /proc/self/smaps here")
@@ -646,10 +621,8 @@ def test_ring_memory_is_zeroed_and_kept_off_huge_pages():
 def test_ring_memory_when_the_kernel_refuses_the_advice(monkeypatch):
     """A kernel without transparent huge pages answers MADV_NOHUGEPAGE with EINVAL: the ring
     is still allocated, zeroed and usable (here an advice value every kernel refuses)."""
-    from recorder_server.feeder import _small_pages
-
     monkeypatch.setattr(mmap, "MADV_NOHUGEPAGE", 12345, raising=False)
-    ring = _small_pages((3, 64, 128), np.float32)
+    ring = small_pages((3, 64, 128), np.float32)
     assert ring.shape == (3, 64, 128) and not ring.any() and ring.flags.writeable
     ring[2, 63, 127] = 1.5
     assert float(ring.sum()) == 1.5

@@ -20,7 +20,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """One trainer: collect chunks from the synthetic env and record them."""
     from recorder_client import RolloutRecorder
 
-    from .synthetic import SyntheticVecEnv
+    from ..workload import SyntheticVecEnv
 
     env = SyntheticVecEnv(args.envs, seed=args.seed, done_prob=args.done_prob)
     start = time.perf_counter()
@@ -36,7 +36,7 @@ def run_worker(args: argparse.Namespace) -> int:
             rollout, states = env.collect(args.length)
             recorder.record(rollout, states)
         recorder.flush()
-        stats = recorder._sender.stats
+        stats = recorder.stats
         print(
             f"worker {args.worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
             f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s",
@@ -46,32 +46,19 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from recorder_client import RolloutRecorder
+    from recorder_client import RecorderUnavailableError, RolloutRecorder
+    from recorder_client._launch import ServerProcess
 
     with tempfile.TemporaryDirectory(prefix="rollout-recorder-demo-") as tmp:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "recorder_server",
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                tmp,
-                "--exit-with-stdin",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
         try:
-            assert server.stdout is not None
-            line = server.stdout.readline()
-            if not line.startswith("rollout-recorder listening on "):
-                print(f"demo: the server did not start: {line!r}", file=sys.stderr)
-                return 1
-            target = line.rsplit(" ", 1)[1].strip()
+            server = ServerProcess(
+                ["--listen", "127.0.0.1:0", "--data-dir", tmp], exit_with_stdin=True
+            )
+        except RecorderUnavailableError as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 1
+        try:
+            target = server.address
             print(f"recorder server at {target}; {args.workers} worker processes", flush=True)
             # Join first so the table's finish() client fixes the configuration.
             viewer = RolloutRecorder(
@@ -120,8 +107,7 @@ def run_demo(args: argparse.Namespace) -> int:
             status = viewer.status()
             viewer.close()
         finally:
-            server.terminate()
-            server.wait(10)
+            server.stop(10)
     raw_mb, wire_mb = status.raw_bytes / 1e6, status.wire_bytes / 1e6
     rows = [
         ("workers", f"{len(status.workers) - 1}"),

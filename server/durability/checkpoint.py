@@ -36,12 +36,13 @@ import logging
 import os
 import re
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import NamedTuple
 
 import zstandard
+
+from . import files
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,7 +58,6 @@ __all__ = [
     "NewestGood",
     "decode_checkpoint",
     "encode_checkpoint",
-    "fsync_directory",
     "read_checkpoint",
     "safe_join",
     "write_checkpoint",
@@ -264,43 +264,6 @@ def decode_checkpoint(
 # --------------------------------------------------------------------------- files
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def fsync_directory(directory: str | os.PathLike[str]) -> None:
-    """fsync a directory so that renames and unlinks in it are durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    directory = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        except OSError:  # pragma: no cover - best effort; the original error matters more
-            logger.warning("could not remove temporary checkpoint file %s", tmp)
-        raise
-    fsync_directory(directory)
-
-
 def write_checkpoint(
     path: str | os.PathLike[str],
     payload: bytes,
@@ -316,7 +279,7 @@ def write_checkpoint(
     """
     target = Path(path)
     data, info = _encode(payload, compress, writer_version)
-    _atomic_write(target, data)
+    files.atomic_write(target, data)
     return dataclasses.replace(info, path=target)
 
 
@@ -438,7 +401,7 @@ class CheckpointDirectory:
                 logger.info("removing stale temporary checkpoint %s", entry.path)
                 Path(entry.path).unlink(missing_ok=True)
         if doomed:
-            fsync_directory(self._root)
+            files.fsync_directory(self._root)
         return doomed
 
     def newest_good(self, *, max_payload_bytes: int | None = None) -> NewestGood:

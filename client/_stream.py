@@ -20,9 +20,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from . import codec
+from ._messages import array_to_proto
 from ._proto import recorder_pb2 as pb
-from .errors import InvalidChunkError, RecorderError, RecorderUnavailableError, from_rpc_error
+from .errors import (
+    InvalidChunkError,
+    RecorderError,
+    RecorderUnavailableError,
+    from_rpc_error,
+    from_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,24 @@ class PendingChunk:
     arrays: dict[str, Any] | None
     request: pb.RecordRequest | None = None
     wire_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """A worker's stream so far."""
+
+    chunks_sent: int
+    """Chunk messages sent, resends included."""
+    chunks_acked: int
+    chunks_dropped_full: int
+    """Chunks the session did not store because it was full (max_episodes)."""
+    chunks_dropped_in_flight: int
+    """Chunks dropped at the in-flight cap (on_backpressure="drop")."""
+    raw_bytes: int
+    """Uncompressed bytes of the chunks the server stored."""
+    wire_bytes: int
+    """Bytes those chunks took on the wire."""
+    reconnects: int
 
 
 @dataclass
@@ -61,18 +85,18 @@ def _to_host(value: Any) -> np.ndarray:
 def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
     arrays = item.arrays or {}
     chunk = pb.Chunk(sequence=item.sequence)
-    chunk.action.CopyFrom(codec.encode_array(_to_host(arrays["action"]), level))
-    chunk.reward.CopyFrom(codec.encode_array(_to_host(arrays["reward"]), level))
+    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level))
+    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level))
     done = _to_host(arrays["done"])
     if done.dtype != np.bool_:
         done = done.astype(bool)
-    chunk.done.CopyFrom(codec.encode_array(done, level))
+    chunk.done.CopyFrom(array_to_proto(done, level))
     if "outcome" in arrays:
-        chunk.outcome.CopyFrom(codec.encode_array(_to_host(arrays["outcome"]), level))
+        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level))
     for name, value in arrays.items():
         if name.startswith("state:"):
             chunk.states.append(
-                pb.NamedArray(name=name[6:], array=codec.encode_array(_to_host(value), level))
+                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level))
             )
     return pb.RecordRequest(chunk=chunk)
 
@@ -83,7 +107,7 @@ class ChunkSender:
     def __init__(
         self,
         *,
-        stub_factory: Callable[[], Any],
+        connection: Any,
         join: Callable[[], int],
         session: str,
         worker_id: str,
@@ -91,9 +115,8 @@ class ChunkSender:
         max_bytes_in_flight: int,
         compression_level: int,
         reconnect_timeout: float,
-        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        self._stub_factory = stub_factory
+        self._connection = connection
         self._join = join
         self._session = session
         self._worker_id = worker_id
@@ -101,7 +124,6 @@ class ChunkSender:
         self._max_in_flight = max_bytes_in_flight
         self._level = compression_level
         self._reconnect_timeout = reconnect_timeout
-        self._metadata = metadata
         self._cond = threading.Condition()
         self._to_send: collections.deque[PendingChunk] = collections.deque()
         self._unacked: collections.OrderedDict[int, PendingChunk] = collections.OrderedDict()
@@ -160,6 +182,19 @@ class ChunkSender:
                 self._cond.wait(0.5 if remaining is None else min(0.5, remaining))
             self._raise_fatal()
 
+    def snapshot(self) -> StreamStats:
+        with self._cond:
+            s = self.stats
+            return StreamStats(
+                s.chunks_sent,
+                s.chunks_acked,
+                s.chunks_dropped_full,
+                s.chunks_dropped_in_flight,
+                s.raw_bytes,
+                s.wire_bytes,
+                s.reconnects,
+            )
+
     def take_errors(self) -> list[RecorderError]:
         with self._cond:
             errors, self.stats.errors = self.stats.errors, []
@@ -202,14 +237,13 @@ class ChunkSender:
             yield item.request
 
     def _run(self) -> None:
-        stub = self._stub_factory()
         while True:
             with self._cond:
                 if self._closing and not self._to_send and not self._unacked:
                     return
                 generation = self._generation
             try:
-                responses = stub.Record(self._requests(generation), metadata=self._metadata)
+                responses = self._connection.record_stream(self._requests(generation))
                 for ack in responses:
                     self._on_ack(ack)
                 with self._cond:
@@ -234,7 +268,6 @@ class ChunkSender:
                 return
             if not self._reconnect(err, patient=exhausted):
                 return
-            stub = self._stub_factory()
 
     def _on_ack(self, ack: pb.RecordAck) -> None:
         with self._cond:
@@ -246,7 +279,7 @@ class ChunkSender:
             self.stats.chunks_acked += 1
             if ack.result == pb.RecordAck.REJECTED:
                 self.stats.errors.append(
-                    from_rpc_error_fields(ack.error_code, ack.error_message, self._target)
+                    from_status(ack.error_code or "UNKNOWN", ack.error_message, self._target)
                 )
             elif ack.result == pb.RecordAck.DROPPED_FULL:
                 self.stats.chunks_dropped_full += 1
@@ -317,9 +350,3 @@ class ChunkSender:
             self._fatal = exc
             self._cond.notify_all()
         logger.error("recorder stream failed: %s", exc)
-
-
-def from_rpc_error_fields(code: str, message: str, target: str) -> RecorderError:
-    from .errors import from_status
-
-    return from_status(code or "UNKNOWN", message, target)

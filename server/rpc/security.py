@@ -6,7 +6,7 @@
   The comparison is constant-time (`hmac.compare_digest`).
 - `server_credentials` builds TLS (or mutual TLS) credentials from PEM files.
 - `add_standard_services` adds grpc.health.v1 and server reflection; health
-  says NOT_SERVING until `set_serving(health, True)` and again while draining.
+  says NOT_SERVING until `Health.set_serving(True)` and again while draining.
 
 grpcio-health-checking and grpcio-reflection are server-only dependencies
 (the `[server]` extra); without them the recorder still serves, without the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -84,8 +84,8 @@ def token_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> str | Non
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
 
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,
@@ -100,7 +100,7 @@ def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMe
     return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without the shared token; `open_methods` need none.
 
     The refusal is UNAUTHENTICATED with a message that says authentication
@@ -113,13 +113,13 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         self._token = check_token(token).encode("ascii")
         self._open = frozenset(open_methods)
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None or method in self._open:
             return handler
         presented = token_from_metadata(handler_call_details.invocation_metadata)
@@ -163,14 +163,30 @@ def server_credentials(
 
 
 # -- health and reflection -------------------------------------------------------
-def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> Any | None:
-    """Add grpc.health.v1 Health and server reflection for `service_names`.
+class Health:
+    """grpc.health.v1 for the whole server ("") and the recorder service; starts NOT_SERVING."""
 
-    Returns the HealthServicer, with every name (and "" for the whole server)
-    NOT_SERVING: call `set_serving(health, True)` once the server has started,
-    and `set_serving(health, False)` when it starts draining. Returns None when
-    the health and reflection packages are not installed.
-    """
+    def __init__(self, servicer: Any, names: Sequence[str]) -> None:
+        self.servicer = servicer
+        self.names = tuple(names)
+
+    async def set_serving(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+
+async def add_standard_services(
+    server: grpc.aio.Server, service_names: Sequence[str]
+) -> Health | None:
+    """Add grpc.health.v1 Health (NOT_SERVING until told) and server reflection for
+    `service_names`; None when the health and reflection packages are not installed."""
     try:
         from grpc_health.v1 import health, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
@@ -179,29 +195,14 @@ def add_standard_services(server: grpc.Server, service_names: Sequence[str]) -> 
             "%s: gRPC health and reflection are off (install rollout-recorder[server])", exc
         )
         return None
-    servicer = health.HealthServicer(experimental_non_blocking=True)
-    servicer.service_names = (health.OVERALL_HEALTH, *service_names)
-    set_serving(servicer, False)
+    servicer = health.aio.HealthServicer()
+    checked = Health(servicer, (health.OVERALL_HEALTH, *service_names))
+    await checked.set_serving(False)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    return servicer
-
-
-def set_serving(health: Any | None, serving: bool) -> None:
-    """SERVING or NOT_SERVING for every name given to add_standard_services (None: no-op)."""
-    if health is None:
-        return
-    from grpc_health.v1 import health_pb2
-
-    status = (
-        health_pb2.HealthCheckResponse.SERVING
-        if serving
-        else health_pb2.HealthCheckResponse.NOT_SERVING
-    )
-    for name in health.service_names:
-        health.set(name, status)
+    return checked
 
 
 __all__ = [
@@ -209,11 +210,11 @@ __all__ = [
     "OPEN_METHODS",
     "RECORDER_SERVICE_NAME",
     "WRONG_TOKEN",
+    "Health",
     "TokenAuthInterceptor",
     "add_standard_services",
     "check_token",
     "load_token",
     "server_credentials",
-    "set_serving",
     "token_from_metadata",
 ]

@@ -1,0 +1,89 @@
+"""One channel to a recorder server and the calls made on it, gRPC errors mapped to ours.
+
+The recorder, its stream and its remote trajectory store all call the server through this
+object; nothing else holds the stub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from ._credentials import PemSource, make_channel
+from ._proto import recorder_pb2_grpc as pb_grpc
+from .errors import RecorderUnavailableError, from_rpc_error
+
+_MESSAGE_CAP = 256 << 20
+
+
+class Connection:
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None,
+        root_certificates: PemSource,
+        client_certificate: PemSource,
+        client_key: PemSource,
+        rpc_timeout: float,
+        connect_timeout: float,
+    ) -> None:
+        self.target = target
+        self.rpc_timeout = rpc_timeout
+        self.connect_timeout = connect_timeout
+        self._channel = make_channel(
+            target,
+            token=token,
+            root_certificates=root_certificates,
+            client_certificate=client_certificate,
+            client_key=client_key,
+            options=[
+                ("grpc.max_receive_message_length", _MESSAGE_CAP),
+                ("grpc.max_send_message_length", _MESSAGE_CAP),
+            ],
+        )
+        self._stub = pb_grpc.RecorderStub(self._channel)
+
+    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        """A unary call; RecorderError subclasses on failure."""
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self.rpc_timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def connect(self, method: str, request: Any) -> Any:
+        """A unary call that waits for a server still starting, up to connect_timeout."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self.connect_timeout, wait_for_ready=True
+            )
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise RecorderUnavailableError(
+                    f"recorder server at {self.target} unreachable within "
+                    f"{self.connect_timeout}s ({err.details()})"
+                ) from None
+            raise from_rpc_error(err, self.target) from None
+
+    def download(self, method: str, request: Any) -> Iterator[Any]:
+        """The messages of a server-streaming call, read to the end."""
+        try:
+            yield from getattr(self._stub, method)(request, timeout=self.rpc_timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def upload(self, method: str, requests: Iterable[Any]) -> Any:
+        """A client-streaming call."""
+        try:
+            return getattr(self._stub, method)(iter(requests), timeout=self.rpc_timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, self.target) from None
+
+    def record_stream(self, requests: Iterator[Any]) -> Any:
+        """The Record stream (no deadline; raw gRPC errors: its sender decides what to retry)."""
+        return self._stub.Record(requests)
+
+    def close(self) -> None:
+        self._channel.close()

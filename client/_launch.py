@@ -1,0 +1,156 @@
+"""Start `rollout-recorder serve` as a child process and wait until it listens.
+
+One helper for every place that needs a server process: the embedded default (no target
+given), the demo, the tests and the benchmarks. The server prints
+``rollout-recorder listening on ADDRESS`` on stdout once it accepts calls.
+
+The embedded server watches its stdin (``--exit-with-stdin``): when this process exits, even
+by kill -9, the pipe closes and the server stops by itself.
+"""
+
+from __future__ import annotations
+
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+from .errors import RecorderUnavailableError
+
+READY_PREFIX = "rollout-recorder listening on "
+
+
+class ServerProcess:
+    """``python -m recorder_server serve ARGS`` as a child; ``address`` is where it listens.
+
+    Raises RecorderUnavailableError when the child exits before it listens (with its exit
+    status) or does not listen within ``startup_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        startup_timeout: float = 60.0,
+        exit_with_stdin: bool = False,
+        stderr: int | IO | None = None,
+        env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+        new_session: bool = False,
+    ) -> None:
+        cmd = [python, "-m", "recorder_server", "serve", *args]
+        if exit_with_stdin:
+            cmd.append("--exit-with-stdin")
+        self.process = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE if exit_with_stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=None if env is None else dict(env),
+            start_new_session=new_session,
+        )
+        self.address = self._wait_ready(startup_timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def _wait_ready(self, timeout: float) -> str:
+        stdout = self.process.stdout
+        assert stdout is not None
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([stdout], [], [], 0.1)
+            if ready:
+                line = stdout.readline()
+                if line.startswith(READY_PREFIX):
+                    return line[len(READY_PREFIX) :].strip()
+                if not line and self.process.poll() is not None:
+                    break
+            elif self.process.poll() is not None:
+                break
+        code = self.process.poll()
+        waited = time.monotonic() - started
+        self.stop()
+        if code is not None:
+            raise RecorderUnavailableError(
+                f"the recorder server exited with status {code} after {waited:.1f}s, before it "
+                "listened (its error is on its stderr)"
+            )
+        raise RecorderUnavailableError(f"the recorder server did not listen within {timeout}s")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
+        proc = self.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._close_pipes()
+        return proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL at once (a crash, as far as the server can tell)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self._close_pipes()
+        return self.process.returncode
+
+    def _close_pipes(self) -> None:
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+class EmbeddedServer(ServerProcess):
+    """A private server on a unix socket in a temporary directory, removed on stop()."""
+
+    def __init__(self, startup_timeout: float = 60.0) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="rollout-recorder-"))
+        socket_path = self.directory / "recorder.sock"
+        try:
+            super().__init__(
+                [
+                    "--listen",
+                    f"unix:{socket_path}",
+                    "--data-dir",
+                    str(self.directory / "data"),
+                    # Its data directory is deleted on close: a log would only cost time.
+                    "--no-wal",
+                    "--grace",
+                    "1",
+                ],
+                startup_timeout=startup_timeout,
+                exit_with_stdin=True,
+                new_session=True,
+            )
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+
+    def stop(self, timeout: float = 5.0) -> int:
+        try:
+            return super().stop(timeout)
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+__all__ = ["READY_PREFIX", "EmbeddedServer", "ServerProcess"]

@@ -1,0 +1,109 @@
+"""Protobuf messages <-> the client's numpy arrays and dataclasses (users never see protobuf)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _wire
+from ._proto import recorder_pb2 as pb
+from .capture_types import CheckpointFile
+from .status import SessionStatus, WorkerStatus
+
+
+def array_to_proto(arr: np.ndarray, level: int = _wire.DEFAULT_LEVEL) -> pb.ArrayData:
+    arr = np.ascontiguousarray(arr)
+    codec, data = _wire.encode(arr, level)
+    return pb.ArrayData(
+        dtype=arr.dtype.str, shape=arr.shape, raw_size=arr.nbytes, codec=codec, data=data
+    )
+
+
+def array_from_proto(msg: pb.ArrayData, what: str, max_raw: int = 1 << 40) -> np.ndarray:
+    dtype, shape = _wire.check_header(msg.dtype, msg.shape, msg.raw_size, what, max_raw)
+    return _wire.decode(msg.codec, msg.data, dtype, shape, what)
+
+
+def episode_to_proto(
+    actions: Any, rewards: Any, states: Mapping[str, Any] | None
+) -> pb.EpisodeArrays:
+    return pb.EpisodeArrays(
+        actions=array_to_proto(np.asarray(actions)),
+        rewards=array_to_proto(np.asarray(rewards)),
+        states=[
+            pb.NamedArray(name=k, array=array_to_proto(np.asarray(v)))
+            for k, v in (states or {}).items()
+        ],
+    )
+
+
+def episode_from_proto(msg: pb.EpisodeArrays, what: str) -> dict[str, Any]:
+    return {
+        "actions": array_from_proto(msg.actions, f"{what}.actions"),
+        "rewards": array_from_proto(msg.rewards, f"{what}.rewards"),
+        "states": {
+            s.name: array_from_proto(s.array, f"{what}.states[{s.name!r}]") for s in msg.states
+        },
+    }
+
+
+def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
+    """A file as FilePart messages: the first carries session, name, size and sha256."""
+    pieces = _wire.file_pieces(data)
+    yield pb.FilePart(
+        session=session,
+        name=name,
+        size=len(data),
+        sha256=_wire.digest(data),
+        data=next(pieces),
+    )
+    for piece in pieces:
+        yield pb.FilePart(data=piece)
+
+
+def join_parts(parts: Iterable[pb.FilePart]) -> CheckpointFile | None:
+    """The file a FilePart stream carries (size and sha256 checked); None for an empty one."""
+    parts = iter(parts)
+    first = next(parts, None)
+    if first is None or first.empty:
+        return None
+    buf = bytearray(first.data)
+    for part in parts:
+        buf += part.data
+    data = bytes(buf)
+    _wire.check_file(first.name, first.size, first.sha256, data)
+    return CheckpointFile(name=first.name, size=len(data), sha256=first.sha256, data=data)
+
+
+def session_status(msg: pb.StatusReply) -> SessionStatus:
+    config = msg.config
+    return SessionStatus(
+        session=msg.session,
+        is_full=msg.is_full,
+        num_recorded_steps=msg.num_recorded_steps,
+        episodes_finished=msg.episodes_finished,
+        chunks_stored=msg.chunks_stored,
+        chunks_dropped=msg.chunks_dropped,
+        raw_bytes=msg.raw_bytes,
+        wire_bytes=msg.wire_bytes,
+        max_episodes=config.max_episodes if config.HasField("max_episodes") else None,
+        record_states=config.record_states,
+        state_fields=tuple(config.state_fields),
+        workers=tuple(
+            WorkerStatus(
+                worker_id=w.worker_id,
+                worker_index=w.worker_index,
+                num_envs=w.num_envs,
+                last_sequence=w.last_sequence,
+                chunks_stored=w.chunks_stored,
+                chunks_dropped=w.chunks_dropped,
+                steps=w.steps,
+                episodes_finished=w.episodes_finished,
+                raw_bytes=w.raw_bytes,
+                wire_bytes=w.wire_bytes,
+            )
+            for w in msg.workers
+        ),
+    )

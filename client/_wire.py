@@ -1,0 +1,245 @@
+"""What the client and the server must agree on, without protobuf or gRPC.
+
+- Arrays travel as (dtype string, shape, raw size, codec, bytes). Headers are checked before
+  anything is allocated or decompressed: the raw size must match dtype and shape, stay under
+  a limit, and a zstd frame must declare exactly that size (no zstd bombs).
+- State-field names map to trajectory names (``player_positions`` -> ``positions``).
+- Files (checkpoints, runtime states) travel in parts with a size and a sha256.
+- Refusals carry a stable kind tag in trailing metadata.
+
+The server's core imports this module and nothing else of the client's wire code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import zstandard
+
+# The proto's Codec enum values (a test checks they agree).
+CODEC_RAW = 1
+CODEC_ZSTD = 2
+DEFAULT_LEVEL = 1
+
+# Trailing-metadata key whose value names the kind of a refusal (see recorder_server.errors).
+ERROR_KIND_KEY = "rr-error-kind"
+
+# Streamed files are cut into parts of this many bytes.
+PART_BYTES = 1 << 20
+
+# Numeric and bool only: object, string and structured dtypes never go on the wire.
+_ALLOWED_KINDS = frozenset("biuf")
+_MAX_DIMS = 32
+
+_local = threading.local()
+
+
+class ArrayDecodeError(ValueError):
+    """An array that cannot be decoded; the message names the field and what is wrong."""
+
+
+# -- arrays ----------------------------------------------------------------------------------
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    comp = cache.get(level)
+    if comp is None:
+        comp = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return comp
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dec = getattr(_local, "decompressor", None)
+    if dec is None:
+        dec = _local.decompressor = zstandard.ZstdDecompressor()
+    return dec
+
+
+def check_dtype(dtype: np.dtype, what: str) -> None:
+    if dtype.kind not in _ALLOWED_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise ValueError(f"{what}: expected a numeric or bool dtype, got {dtype.str!r} ({dtype})")
+
+
+def parse_dtype(text: str, what: str) -> np.dtype:
+    if len(text) > 16:
+        raise ArrayDecodeError(f"{what}: expected a numpy dtype string, got {text[:32]!r}...")
+    try:
+        dtype = np.dtype(text)
+    except (TypeError, ValueError) as exc:
+        raise ArrayDecodeError(f"{what}: expected a numpy dtype string, got {text!r}") from exc
+    try:
+        check_dtype(dtype, what)
+    except ValueError as exc:
+        raise ArrayDecodeError(str(exc)) from None
+    return dtype
+
+
+def check_header(
+    dtype: str, shape: Sequence[int], raw_size: int, what: str, max_raw: int
+) -> tuple[np.dtype, tuple[int, ...]]:
+    """The parsed dtype and shape of an array header, checked without touching its data:
+    sizes are Python ints (no overflow), and the raw size must match and stay <= max_raw."""
+    parsed = parse_dtype(dtype, f"{what}.dtype")
+    if len(shape) > _MAX_DIMS:
+        raise ArrayDecodeError(
+            f"{what}.shape: expected at most {_MAX_DIMS} dimensions, got {len(shape)}"
+        )
+    dims = tuple(int(s) for s in shape)
+    if any(s < 0 for s in dims):
+        raise ArrayDecodeError(f"{what}.shape: expected non-negative sizes, got {list(dims)}")
+    expected = parsed.itemsize
+    for s in dims:
+        expected *= s
+    if raw_size != expected:
+        raise ArrayDecodeError(
+            f"{what}.raw_size: expected {expected} bytes for dtype {dtype} and shape "
+            f"{list(dims)}, got {raw_size}"
+        )
+    if expected > max_raw:
+        raise ArrayDecodeError(f"{what}.raw_size: expected at most {max_raw} bytes, got {expected}")
+    return parsed, dims
+
+
+def encode(arr: np.ndarray, level: int = DEFAULT_LEVEL) -> tuple[int, bytes]:
+    """(codec, data) of a numeric array's C-order bytes: one zstd frame, or raw when level < 0."""
+    arr = np.ascontiguousarray(arr)
+    raw = memoryview(arr).cast("B") if arr.size else b""
+    if level < 0:
+        return CODEC_RAW, bytes(raw)
+    return CODEC_ZSTD, _compressor(level).compress(raw)
+
+
+def decode_into(codec: int, data: bytes, out: np.ndarray, what: str) -> None:
+    """Decode ``data`` straight into the C-contiguous buffer ``out`` (its size is the raw size)."""
+    raw_size = out.nbytes
+    dest = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
+    if codec == CODEC_RAW:
+        if len(data) != raw_size:
+            raise ArrayDecodeError(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
+        dest[:] = data
+        return
+    if codec != CODEC_ZSTD:
+        raise ArrayDecodeError(
+            f"{what}.codec: expected CODEC_ZSTD (2) or CODEC_RAW (1), got {codec}"
+        )
+    try:
+        content = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise ArrayDecodeError(f"{what}.data: not a zstd frame ({exc})") from None
+    if content != raw_size:
+        raise ArrayDecodeError(
+            f"{what}.data: zstd frame declares {content} bytes, expected {raw_size}"
+        )
+    if raw_size == 0:
+        return
+    try:
+        reader = _decompressor().stream_reader(data, read_across_frames=False)
+        got = 0
+        while got < raw_size:
+            n = reader.readinto(dest[got:])
+            if n == 0:
+                break
+            got += n
+    except zstandard.ZstdError as exc:
+        raise ArrayDecodeError(f"{what}.data: corrupt zstd frame ({exc})") from None
+    if got != raw_size:
+        raise ArrayDecodeError(f"{what}.data: expected {raw_size} bytes, frame gave {got}")
+
+
+def decode(
+    codec: int, data: bytes, dtype: np.dtype, shape: tuple[int, ...], what: str
+) -> np.ndarray:
+    """A fresh array of ``dtype`` and ``shape`` decoded from ``data`` (header already checked)."""
+    out = np.empty(shape, dtype=dtype)
+    decode_into(codec, data, out, what)
+    return out
+
+
+# -- names -----------------------------------------------------------------------------------
+
+# Only the names that differ; every other name passes through unchanged.
+STATE_TO_TRAJECTORY: dict[str, str] = {
+    "player_positions": "positions",
+    "map": "block_map",
+}
+
+# Either spelling of a renamed field finds the other (player_positions <-> positions).
+STATE_ALIASES: dict[str, str] = {
+    **STATE_TO_TRAJECTORY,
+    **{v: k for k, v in STATE_TO_TRAJECTORY.items()},
+}
+
+# Names a Trajectory already uses for its own arrays; a state field may not take them.
+RESERVED_NAMES = frozenset(
+    {
+        "actions",
+        "rewards",
+        "lengths",
+        "episode_worker",
+        "episode_env",
+        "episode_start",
+        "episode_done",
+        "worker_ids",
+    }
+)
+
+
+def trajectory_name(state_field: str) -> str:
+    return STATE_TO_TRAJECTORY.get(state_field, state_field)
+
+
+def check_state_fields(state_fields: list[str] | tuple[str, ...]) -> list[str]:
+    """Validate a state_fields list; returns it as a list of str."""
+    if isinstance(state_fields, str):
+        raise ValueError(f"state_fields: expected a list of names, got the string {state_fields!r}")
+    fields = list(state_fields)
+    seen: dict[str, str] = {}
+    for name in fields:
+        if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 128:
+            shown = name[:64] + "..." if isinstance(name, str) and len(name) > 64 else name
+            raise ValueError(
+                f"state_fields: expected non-empty printable names of at most 128 characters, "
+                f"got {shown!r}"
+            )
+        traj = trajectory_name(name)
+        if traj in RESERVED_NAMES:
+            raise ValueError(
+                f"state_fields: {name!r} maps to the trajectory name {traj!r}, which is reserved"
+            )
+        if traj in seen:
+            raise ValueError(
+                f"state_fields: {name!r} and {seen[traj]!r} both map to trajectory name {traj!r}"
+            )
+        seen[traj] = name
+    return fields
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+def file_pieces(data: bytes) -> Iterator[bytes]:
+    """``data`` cut into parts of PART_BYTES (one empty part for empty data)."""
+    view = memoryview(data)
+    yield bytes(view[:PART_BYTES])
+    for offset in range(PART_BYTES, len(data), PART_BYTES):
+        yield bytes(view[offset : offset + PART_BYTES])
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_file(name: str, size: int, sha256: str, data: bytes) -> None:
+    """ValueError unless ``data`` has the declared size and sha256."""
+    got = digest(data)
+    if len(data) != size or got != sha256:
+        raise ValueError(
+            f"file {name!r}: expected {size} bytes with sha256 {sha256}, "
+            f"got {len(data)} bytes with sha256 {got}"
+        )

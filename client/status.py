@@ -1,0 +1,48 @@
+"""What `RolloutRecorder.status()` returns: a session's counters and its workers'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One worker of a session, as the server counts it."""
+
+    worker_id: str
+    worker_index: int
+    """Place in join order, from 0: the order of its episodes in finish()."""
+    num_envs: int
+    """Environments per chunk (N); 0 before its first stored chunk."""
+    last_sequence: int
+    """Highest chunk sequence number the server has taken from it."""
+    chunks_stored: int
+    chunks_dropped: int
+    steps: int
+    """Sum of T over its stored chunks."""
+    episodes_finished: int
+    raw_bytes: int
+    """Uncompressed bytes of its stored chunks."""
+    wire_bytes: int
+    """Bytes of its stored chunks as they travelled (compressed)."""
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """A session's counters; every worker of it in join order."""
+
+    session: str
+    is_full: bool
+    """Whether the done count has reached max_episodes (over every worker)."""
+    num_recorded_steps: int
+    """Sum of T over the stored chunks of every worker."""
+    episodes_finished: int
+    """Done flags counted over every stored chunk of every worker."""
+    chunks_stored: int
+    chunks_dropped: int
+    raw_bytes: int
+    wire_bytes: int
+    max_episodes: int | None
+    record_states: bool
+    state_fields: tuple[str, ...]
+    workers: tuple[WorkerStatus, ...]

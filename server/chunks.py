@@ -1,0 +1,285 @@
+"""What a session takes in: its configuration and chunks, as plain Python and numpy.
+
+A chunk arrives with its arrays still encoded (`EncodedArray`: a checked header and the
+bytes as they travelled). `decode_chunk` checks it against the session's configuration
+(shapes agree, dtypes allowed, the fields the configuration asks for) and decodes it.
+Array keys: ``action``, ``reward``, ``done``, ``outcome`` and ``state:<env-state name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recorder_client import _wire
+from recorder_client.capture_types import EpisodeOutcome, TrajectoryTrainingConfiguration
+
+from .errors import RequestError, invalid
+
+STATE = "state:"
+_NUM_OUTCOMES = len(EpisodeOutcome)
+
+
+@dataclass(frozen=True)
+class EncodedArray:
+    """An array held in its wire encoding (header checked); `decode` gives it back."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    codec: int
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def decode(self, what: str = "stored") -> np.ndarray:
+        return _wire.decode(self.codec, self.data, self.dtype, self.shape, what)
+
+    def decode_into(self, out: np.ndarray, what: str) -> None:
+        _wire.decode_into(self.codec, self.data, out, what)
+
+
+def encoded_array(
+    dtype: str,
+    shape: Sequence[int],
+    raw_size: int,
+    codec: int,
+    data: bytes,
+    what: str,
+    max_raw: int,
+) -> EncodedArray:
+    """An EncodedArray from a received header, checked before anything is allocated."""
+    try:
+        parsed, dims = _wire.check_header(dtype, shape, raw_size, what, max_raw)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    if codec not in (_wire.CODEC_RAW, _wire.CODEC_ZSTD):
+        raise invalid(f"{what}.codec: expected CODEC_ZSTD (2) or CODEC_RAW (1), got {codec}")
+    return EncodedArray(parsed, dims, codec, data)
+
+
+@dataclass
+class Chunk:
+    """One (T, N) chunk of one worker, as received."""
+
+    sequence: int
+    arrays: dict[str, EncodedArray]
+    refused: RequestError | None = None
+    """Why its headers were refused on arrival (its sequence number is still taken)."""
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(len(a.data) for a in self.arrays.values())
+
+
+@dataclass
+class SubmittedEpisode:
+    """One whole episode sent to the trajectory store (emulator-style producers)."""
+
+    arrays: dict[str, EncodedArray]
+    """``actions``, ``rewards`` and ``state:<env-state name>``, each with leading length L."""
+    episode_data: dict[str, float]
+    step: int
+    outcome: int
+    start_reference: tuple[int, int] | None = None
+    """(trajectory id, step) when the episode started from a curriculum start."""
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """A session's recording configuration; every worker of the session has the same."""
+
+    max_episodes: int | None
+    record_states: bool
+    state_fields: tuple[str, ...]
+    capture: TrajectoryTrainingConfiguration | None = None
+
+    @classmethod
+    def create(
+        cls,
+        max_episodes: int | None,
+        record_states: bool,
+        state_fields: Sequence[str],
+        capture: Mapping[str, Any] | None = None,
+    ) -> SessionConfig:
+        """A checked configuration from received values (RequestError INVALID otherwise)."""
+        if max_episodes is not None and (
+            isinstance(max_episodes, bool) or not isinstance(max_episodes, int) or max_episodes < 0
+        ):
+            raise invalid(
+                f"config.max_episodes: expected a non-negative integer or unset, got {max_episodes}"
+            )
+        try:
+            fields = tuple(_wire.check_state_fields(list(state_fields)))
+        except ValueError as exc:
+            raise invalid(f"config.{exc}") from None
+        trajectory = None
+        if capture is not None:
+            try:
+                trajectory = TrajectoryTrainingConfiguration.from_dict(capture)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise invalid(f"config.capture: {exc}") from None
+        return cls(max_episodes, bool(record_states), fields, trajectory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_episodes": self.max_episodes,
+            "record_states": self.record_states,
+            "state_fields": list(self.state_fields),
+            "capture": None if self.capture is None else self.capture.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SessionConfig:
+        if not isinstance(data, Mapping):
+            raise invalid(f"config: expected a mapping, got {type(data).__name__}")
+        return cls.create(
+            data.get("max_episodes"),
+            bool(data.get("record_states", False)),
+            data.get("state_fields") or (),
+            data.get("capture"),
+        )
+
+    def describe_difference(self, other: SessionConfig) -> str:
+        diffs = [
+            f"{name}={getattr(self, name)!r} (this worker asked for {getattr(other, name)!r})"
+            for name in ("max_episodes", "record_states", "state_fields", "capture")
+            if getattr(self, name) != getattr(other, name)
+        ]
+        return ", ".join(diffs)
+
+
+# Trailing dtype and shape after (T, N) of each stored array key ("action", "state:x", ...).
+Schema = dict[str, tuple[np.dtype, tuple[int, ...]]]
+
+# (shape, dtype) -> a C-contiguous array to decode into.
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+@dataclass
+class DecodedChunk:
+    """A checked chunk: its done flags, its decoded arrays and their schema."""
+
+    sequence: int
+    length: int
+    num_envs: int
+    dones: np.ndarray
+    arrays: dict[str, np.ndarray]
+    schema: Schema = field(default_factory=dict)
+
+
+def _fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+def decode_chunk(
+    chunk: Chunk, config: SessionConfig, alloc: Allocator | None = None
+) -> DecodedChunk:
+    """Check one chunk on its own (shapes agree, dtypes and fields allowed, frames intact)
+    and decode it; ``alloc`` gives the buffers the arrays are decoded into."""
+    arrays = chunk.arrays
+    for name in ("action", "reward", "done"):
+        if name not in arrays:
+            raise invalid(f"chunk.{name}: expected an array, got none")
+    action = arrays["action"]
+    if len(action.shape) not in (2, 3):
+        raise invalid(f"chunk.action: expected shape (T, N) or (T, N, P), got {list(action.shape)}")
+    length, n = action.shape[:2]
+    tn = [length, n]
+    for name in ("reward", "done"):
+        if list(arrays[name].shape) != tn:
+            raise invalid(
+                f"chunk.{name}: expected shape {tn} (T, N) like chunk.action, "
+                f"got {list(arrays[name].shape)}"
+            )
+    if arrays["done"].dtype != np.bool_:
+        raise invalid(f"chunk.done.dtype: expected '|b1' (bool), got {arrays['done'].dtype.str!r}")
+    allowed = set(config.state_fields) if config.record_states else set()
+    sent = [k[len(STATE) :] for k in arrays if k.startswith(STATE)]
+    for name in sent:
+        what = f"chunk.states[{name!r}]"
+        if name not in allowed:
+            expected = sorted(allowed) if allowed else "none (record_states is off)"
+            raise invalid(f"chunk.states: expected fields from {expected}, got {name!r}")
+        shape = list(arrays[STATE + name].shape)
+        if len(shape) < 2 or shape[:2] != tn:
+            raise invalid(f"{what}: expected shape starting with {tn} (T, N), got {shape}")
+    if config.capture is not None:
+        # The store keys cells on state fields; a chunk without them cannot feed it.
+        for cell in config.capture.cell_fields:
+            if cell.state_field not in sent:
+                raise invalid(
+                    f"chunk.states: expected the cell-key field {cell.state_field!r} of the "
+                    f"session's capture configuration (record it with record_states=True), "
+                    f"got fields {sorted(sent)}"
+                )
+    outcome = arrays.get("outcome")
+    if outcome is not None and (list(outcome.shape) != tn or outcome.dtype.kind not in "iu"):
+        raise invalid(
+            f"chunk.outcome: expected integer codes of shape {tn} (T, N), "
+            f"got {outcome.dtype} {list(outcome.shape)}"
+        )
+    take = alloc or _fresh
+    decoded: dict[str, np.ndarray] = {}
+    schema: Schema = {}
+    for key, enc in arrays.items():
+        # Decoding proves the frame is intact before the ack promises anything.
+        out = (
+            _fresh(enc.shape, enc.dtype)
+            if key in ("done", "outcome")
+            else take(enc.shape, enc.dtype)
+        )
+        try:
+            enc.decode_into(out, f"chunk.{key}")
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        decoded[key] = out
+        if key not in ("done", "outcome"):
+            schema[key] = (enc.dtype, enc.shape[2:])
+    codes = decoded.get("outcome")
+    if codes is not None and codes.size:
+        bad = (codes < 0) | (codes >= _NUM_OUTCOMES)
+        if bad.any():
+            t, e = (int(i) for i in np.argwhere(bad)[0])
+            raise invalid(
+                f"chunk.outcome: expected codes 0..{_NUM_OUTCOMES - 1} (EpisodeOutcome), "
+                f"got {int(codes[t, e])} at step {t} of environment {e}"
+            )
+    return DecodedChunk(chunk.sequence, length, n, decoded["done"], decoded, schema)
+
+
+def check_schema(expected: Schema | None, num_envs: int | None, chunk: DecodedChunk) -> None:
+    """A chunk must match its worker's N and the session's dtypes, trailing shapes and state
+    fields so far (None: nothing stored yet)."""
+    if num_envs is not None and chunk.num_envs != num_envs:
+        raise invalid(
+            f"chunk.N: expected {num_envs} environments like this worker's earlier chunks, "
+            f"got {chunk.num_envs}"
+        )
+    if expected is None:
+        return
+    want = sorted(k[len(STATE) :] for k in expected if k.startswith(STATE))
+    got = sorted(k[len(STATE) :] for k in chunk.schema if k.startswith(STATE))
+    if want != got:
+        raise invalid(
+            f"chunk.states: expected fields {want} like the session's earlier chunks, got {got}"
+        )
+    for key, (dtype, trailing) in expected.items():
+        got_dtype, got_trailing = chunk.schema[key]
+        if got_dtype != dtype:
+            raise invalid(
+                f"chunk.{key}.dtype: expected {dtype} like the session's earlier chunks, "
+                f"got {got_dtype}"
+            )
+        if got_trailing != trailing:
+            raise invalid(
+                f"chunk.{key}.shape: expected trailing shape {list(trailing)} after (T, N) like "
+                f"the session's earlier chunks, got {list(got_trailing)}"
+            )

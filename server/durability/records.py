@@ -1,0 +1,128 @@
+"""Write-ahead log records: every change to a session, as bytes, and back.
+
+Record layout (integers little-endian)::
+
+    kind (1 byte: J join, C chunk, R reset, E episode) | session length uint16
+    | worker length uint16 | session (UTF-8) | worker (UTF-8) | payload
+
+Payloads: a join carries the session configuration as JSON; a reset nothing; a chunk and an
+episode a uint32 header length, a JSON header (the arrays' keys, dtypes, shapes, codecs and
+sizes, plus the sequence or the episode's step, outcome, data and start reference) and the
+arrays' bytes as they arrived, back to back. A record is a list of buffers, written without
+joining them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..chunks import Chunk, EncodedArray, SessionConfig, SubmittedEpisode, encoded_array
+
+JOIN = b"J"
+CHUNK = b"C"
+RESET = b"R"
+EPISODE = b"E"
+_KINDS = (JOIN, CHUNK, RESET, EPISODE)
+_NAMES = struct.Struct("<HH")
+_HEADER = struct.Struct("<I")
+# Arrays in the log were checked when they arrived.
+_NO_LIMIT = 1 << 62
+
+
+@dataclass
+class Record:
+    kind: bytes
+    session: str
+    worker: str
+    body: Any
+    """SessionConfig (join), Chunk, SubmittedEpisode, or None (reset)."""
+
+
+def _prefix(kind: bytes, session: str, worker: str) -> bytes:
+    s, w = session.encode(), worker.encode()
+    return b"".join([kind, _NAMES.pack(len(s), len(w)), s, w])
+
+
+def _with_arrays(header: dict[str, Any], arrays: dict[str, EncodedArray]) -> list:
+    header["arrays"] = [
+        [key, a.dtype.str, list(a.shape), a.codec, len(a.data)] for key, a in arrays.items()
+    ]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return [_HEADER.pack(len(text)), text, *(a.data for a in arrays.values())]
+
+
+def join(session: str, worker: str, config: SessionConfig) -> list:
+    return [_prefix(JOIN, session, worker), json.dumps(config.to_dict()).encode()]
+
+
+def chunk(session: str, worker: str, value: Chunk) -> list:
+    return [
+        _prefix(CHUNK, session, worker),
+        *_with_arrays({"sequence": value.sequence}, value.arrays),
+    ]
+
+
+def reset(session: str) -> list:
+    return [_prefix(RESET, session, "")]
+
+
+def episode(session: str, value: SubmittedEpisode) -> list:
+    header = {
+        "step": value.step,
+        "outcome": value.outcome,
+        "episode_data": value.episode_data,
+        "start_reference": value.start_reference,
+    }
+    return [_prefix(EPISODE, session, ""), *_with_arrays(header, value.arrays)]
+
+
+def _read_arrays(payload: memoryview) -> tuple[dict[str, Any], dict[str, EncodedArray]]:
+    (length,) = _HEADER.unpack_from(payload, 0)
+    header = json.loads(bytes(payload[4 : 4 + length]))
+    offset = 4 + length
+    arrays = {}
+    for key, dtype, shape, codec, size in header["arrays"]:
+        data = bytes(payload[offset : offset + size])
+        if len(data) != size:
+            raise ValueError(f"log record: array {key!r} is truncated")
+        offset += size
+        raw = np.dtype(dtype).itemsize * math.prod(shape)
+        arrays[key] = encoded_array(dtype, shape, raw, codec, data, f"log.{key}", _NO_LIMIT)
+    if offset != len(payload):
+        raise ValueError(f"log record: {len(payload) - offset} bytes after the arrays")
+    return header, arrays
+
+
+def decode(data: bytes | memoryview) -> Record:
+    """A record as written; ValueError when it is not one."""
+    view = memoryview(data)
+    kind = bytes(view[:1])
+    if kind not in _KINDS:
+        raise ValueError(f"log record: unknown kind {kind!r}")
+    ls, lw = _NAMES.unpack_from(view, 1)
+    session = bytes(view[5 : 5 + ls]).decode()
+    worker = bytes(view[5 + ls : 5 + ls + lw]).decode()
+    payload = view[5 + ls + lw :]
+    body: Any = None
+    if kind == JOIN:
+        body = SessionConfig.from_dict(json.loads(bytes(payload)))
+    elif kind == CHUNK:
+        header, arrays = _read_arrays(payload)
+        body = Chunk(int(header["sequence"]), arrays)
+    elif kind == EPISODE:
+        header, arrays = _read_arrays(payload)
+        ref = header.get("start_reference")
+        body = SubmittedEpisode(
+            arrays,
+            {str(k): float(v) for k, v in header["episode_data"].items()},
+            int(header["step"]),
+            int(header["outcome"]),
+            None if ref is None else (int(ref[0]), int(ref[1])),
+        )
+    return Record(kind, session, worker, body)

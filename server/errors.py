@@ -1,0 +1,55 @@
+"""Why the core refuses a request: a typed kind and a message for people.
+
+The core raises `RequestError`; the gRPC edge turns its kind into a status code in one
+function (`rpc.convert.status_of`). Messages name the field, what was expected and what
+arrived.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, as the caller should act on it. The value is the stable tag clients
+    receive with the status (`recorder_client._wire.ERROR_KIND_KEY`)."""
+
+    INVALID = "invalid"
+    """A malformed or inconsistent request: fix the request."""
+    SESSION_MISMATCH = "session_mismatch"
+    """The session exists with another configuration."""
+    UNKNOWN_SESSION = "unknown_session"
+    """No session of that name (never joined, or dropped)."""
+    NOT_JOINED = "not_joined"
+    """The worker did not join the session."""
+    SEQUENCE_GAP = "sequence_gap"
+    """A chunk arrived out of order: the client resends from the last one taken."""
+    LIMIT = "limit"
+    """A configured limit (sessions, workers) is reached."""
+    STORAGE = "storage"
+    """The data directory cannot take the write (a full disk, an I/O error): nothing
+    acknowledged is affected; retry once it can."""
+    NO_DATA = "no_data"
+    """finish() found nothing to return."""
+    NO_STORE = "no_store"
+    """A trajectory-store verb on a session without a store configuration."""
+    NO_LOG = "no_log"
+    """A durability verb on a server started without its write-ahead log."""
+    SHUTTING_DOWN = "shutting_down"
+    """The server is stopping."""
+
+
+class RequestError(Exception):
+    """A refused request. The session it was made on is left as it was."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(ErrorKind.INVALID, message)

@@ -1,0 +1,348 @@
+"""Finished episodes -> trajectory store and metrics, on a thread per session, off the ack path.
+
+Every finished episode reaches the capture processor (`record_episodes`) and the metrics,
+whether or not a trajectory store is configured. Without a store only lengths, returns and
+outcomes are needed (`tails`). With a store, each chunk's steps are keyed into the session's
+window (`window`), the chunk is held while an open episode needs it (`held`), and the chunks
+that queued up meanwhile are recorded in one store call, in order: the store's fixed costs per
+call are then shared, which is what lets the feeder catch up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..episodes import StoredChunk, WorkerTimeline
+from ..store import EpisodeBatch, EpisodeWindow, TrajectoryCaptureProcessor
+from .buffers import BufferPool
+from .held import HeldChunks, HeldEpisode, Part
+from .tails import EpisodeSums, Finished, cumsum
+from .window import Ring
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkEpisodes:
+    """What the session hands over for one stored chunk."""
+
+    worker: int
+    chunk: StoredChunk
+    """The chunk as the session holds it (encoded)."""
+    arrays: dict[str, np.ndarray]
+    """Decoded: action, reward, done, state:<name>, outcome. Handed over: with a store the
+    feeder gives the buffers back to the pool once the chunk is keyed."""
+    env: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    """The episodes the chunk finished, on the worker's time axis."""
+    oldest_open: int
+    """The first step some open episode of the worker needs, after this chunk."""
+    env_steps_before: int
+    """The session's env steps before this chunk (the metrics step)."""
+
+
+@dataclass
+class _Worker:
+    sums: EpisodeSums
+    held: HeldChunks | None
+    oldest_open: int = 0
+
+
+@dataclass
+class _Closed:
+    """One processed chunk, waiting to be recorded and logged."""
+
+    item: ChunkEpisodes
+    finished: Finished
+    part: Part | None
+
+
+class EpisodeFeeder:
+    """A thread per session that turns finished episodes into store updates and metrics."""
+
+    def __init__(
+        self,
+        session: str,
+        processor: TrajectoryCaptureProcessor,
+        metrics,
+        *,
+        queue_chunks: int = 32,
+        max_tail_bytes: int = 256 << 20,
+        max_batch: int = 32,
+    ) -> None:
+        self.session = session
+        self.processor = processor
+        self.metrics = metrics
+        self.max_tail_bytes = max_tail_bytes
+        self.store = processor.store
+        # With a store, up to this many queued chunks are recorded in one store call.
+        self.max_batch = max_batch if self.store is not None else 1
+        self._queue: queue.Queue[ChunkEpisodes | None] = queue.Queue(maxsize=queue_chunks)
+        self._workers: dict[int, _Worker] = {}
+        self._ring = Ring()
+        self._pending = 0
+        self._idle = threading.Condition()
+        # The store path decodes into pooled buffers and gives them back once keyed.
+        self.buffers = BufferPool() if self.store is not None else None
+        self._csum = np.empty((0, 0)) if self.store is not None else None
+        self.truncated_episodes = 0
+        self._thread = threading.Thread(target=self._run, name=f"feeder-{session}", daemon=True)
+        self._thread.start()
+
+    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A buffer to decode a chunk's array into."""
+        if self.buffers is None:
+            return np.empty(shape, dtype=dtype)
+        return self.buffers.take(shape, dtype)
+
+    # -- producer side -----------------------------------------------------
+    def submit(self, item: ChunkEpisodes) -> None:
+        """Queue a chunk (blocks while the queue is full: backpressure on ingest)."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put(item)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted chunk has been processed."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def reset(self) -> None:
+        self.drain()
+        self._workers.clear()
+        self._ring = Ring()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def held_chunks(self, worker: int) -> list[tuple[int, int]]:
+        """(first step, length) of each chunk held for a worker's open episodes (call
+        drained): what the store path keeps in its window."""
+        held = self._workers.get(worker)
+        if held is None or held.held is None:
+            return []
+        return [(c.t0, c.length) for c in held.held.chunks]
+
+    def state(self) -> dict[int, dict[str, np.ndarray]]:
+        """Each worker's open-episode sums, by worker index (call drained)."""
+        return {index: w.sums.state() for index, w in self._workers.items()}
+
+    def restore(
+        self, state: dict[int, dict[str, np.ndarray]], timelines: list[WorkerTimeline]
+    ) -> None:
+        """Inverse of `state`, given the restored timelines: the store path keys the held
+        chunks that open episodes still need back into the window."""
+        self._workers.clear()
+        self._ring = Ring()
+        by_index = {tl.index: tl for tl in timelines}
+        for index, sums in sorted(state.items()):
+            timeline = by_index.get(index)
+            worker = self._add(index, EpisodeSums.from_state(sums))
+            if timeline is None or worker.held is None or not worker.sums.num_envs:
+                continue
+            worker.oldest_open = timeline.oldest_open()
+            for chunk in timeline.chunks:
+                if chunk.t0 + chunk.length > worker.oldest_open:
+                    arrays = {
+                        k: a.decode()
+                        for k, a in chunk.arrays.items()
+                        if k == "reward" or k.startswith("state:")
+                    }
+                    self._hold(worker, chunk, arrays)
+
+    # -- the thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            # With a store, a backlog is recorded in one store call.
+            while items[-1] is not None and len(items) < self.max_batch:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is None
+            if stop:
+                items.pop()
+            try:
+                self.feed(items)
+            except Exception:  # a bad episode must not stop the session's metrics
+                self._failed()
+            finally:
+                with self._idle:
+                    self._pending -= len(items)
+                    self._idle.notify_all()
+            if stop:
+                return
+
+    def feed(self, items: list[ChunkEpisodes]) -> None:
+        """Process chunks in submission order on this thread, their episodes recorded in one
+        store call when every one is valid (else chunk by chunk), then logged chunk by chunk.
+        (The feeder's thread calls this with whatever is queued.)"""
+        # NaN and inf rewards are data, not errors: returns just carry them.
+        with np.errstate(all="ignore"):
+            self._feed(items)
+
+    def _feed(self, items: list[ChunkEpisodes]) -> None:
+        closed = []
+        for item in items:
+            try:
+                closed.append(self._close(item))
+            except Exception:
+                self._failed()
+        recorded = self._record([c for c in closed if c.item.env.size])
+        labels = {"session": self.session}
+        for c in recorded:
+            lengths, returns = c.finished.lengths, c.finished.returns
+            self.metrics.inc("Recorder/episodes_finished", float(lengths.size), **labels)
+            self.metrics.log_many(
+                {
+                    "Episode/return_mean": float(returns.mean()),
+                    "Episode/return_max": float(returns.max()),
+                    "Episode/return_min": float(returns.min()),
+                    "Episode/length_mean": float(lengths.mean()),
+                    "Episode/length_max": float(lengths.max()),
+                },
+                c.item.env_steps_before,
+                **labels,
+            )
+        if recorded:
+            # The store's gauges once per call, at its last chunk's step.
+            self.processor.log_metrics(recorded[-1].item.env_steps_before)
+        # After recording: the episodes just recorded may read the chunks this drops.
+        if self.store is not None:
+            for index in {item.worker for item in items}:
+                worker = self._workers.get(index)
+                if worker is not None:
+                    worker.held.trim(worker.oldest_open, self.max_tail_bytes)
+
+    def _failed(self) -> None:
+        logger.exception("session %r: episode processing failed", self.session)
+        self.metrics.inc("Recorder/feed_errors", 1, session=self.session)
+
+    def _add(self, index: int, sums: EpisodeSums) -> _Worker:
+        held = None
+        if self.store is not None:
+            held = HeldChunks(sums.num_envs)
+            self._ring.add_worker(held)
+        worker = self._workers[index] = _Worker(sums, held)
+        return worker
+
+    def _hold(self, worker: _Worker, chunk: StoredChunk, arrays: dict[str, np.ndarray]) -> None:
+        """Hold a chunk and key its steps into the window."""
+        held = worker.held.hold(chunk, len(self.store.configuration.cell_fields))
+        rows = [w.held for w in self._workers.values()]
+        held.error = self._ring.write(self.store, rows, worker.held, chunk.t0, arrays)
+
+    def _close(self, item: ChunkEpisodes) -> _Closed:
+        """One chunk's finished episodes (returns, lengths, outcomes and, with a store, where
+        their steps are in the window), with the worker's open episodes carried past it."""
+        arrays, item.arrays = item.arrays, {}
+        num_envs = arrays["reward"].shape[1]
+        worker = self._workers.get(item.worker) or self._add(item.worker, EpisodeSums(num_envs))
+        env, start, end = item.env, item.start, item.end
+        part = None
+        if self.store is not None:
+            self._csum = csum = cumsum(arrays["reward"], self._csum)
+            self._hold(worker, item.chunk, arrays)
+            part = worker.held.gather(self._ring.flagged_step, env, start, end)
+            truncated = int(env.size - part.kept.sum())
+            if truncated:
+                # Longer than the held tail allows: counted, never stored half-recorded.
+                self.truncated_episodes += truncated
+                self.metrics.inc(
+                    "Recorder/episodes_too_long_for_store", truncated, session=self.session
+                )
+        else:
+            csum = cumsum(arrays["reward"])
+        finished = worker.sums.close(csum, arrays.get("outcome"), item.chunk.t0, env, start, end)
+        worker.oldest_open = item.oldest_open
+        if self.buffers is not None:
+            # Keyed into the window and held encoded: the decode buffers are free again.
+            arrays.pop("done", None)  # not taken from the pool
+            arrays.pop("outcome", None)
+            self.buffers.give_all(arrays)
+        return _Closed(item, finished, part)
+
+    def _record(self, closed: list[_Closed]) -> list[_Closed]:
+        """Record the chunks' episodes; returns the chunks whose episodes were recorded."""
+        if not closed:
+            return []
+        if self.store is None:
+            # No store: only lengths and outcomes count, so no arrays are gathered.
+            recorded = []
+            for c in closed:
+                total = int(c.finished.lengths.sum())
+                batch = EpisodeBatch(
+                    np.zeros(total, np.int8), np.zeros(total, np.float32), {}, c.finished.lengths
+                )
+                if self._try_record([c], batch):
+                    recorded.append(c)
+            return recorded
+        for c in closed:
+            if c.part.error is not None:
+                logger.error(
+                    "session %r: chunk at step %d of worker %d not recorded: %s",
+                    self.session,
+                    c.item.chunk.t0,
+                    c.item.worker,
+                    c.part.error,
+                )
+                self.metrics.inc("Recorder/feed_errors", 1, session=self.session)
+        valid = [c for c in closed if c.part.error is None]
+        if len(valid) > 1 and self._try_record(valid, quiet=True):
+            return valid
+        # The store validates a whole call before changing anything: now chunk by chunk, so
+        # that only the chunks with an invalid episode are refused, as if sent alone.
+        return [c for c in valid if self._try_record([c])]
+
+    def _try_record(self, closed: list[_Closed], batch=None, *, quiet: bool = False) -> bool:
+        try:
+            if batch is not None:
+                c = closed[0]
+                self.processor.record_episodes(
+                    batch, c.item.env_steps_before, outcomes=c.finished.outcomes
+                )
+            else:
+                self._record_window(closed)
+        except Exception:
+            if not quiet:
+                self._failed()
+            return False
+        return True
+
+    def _record_window(self, closed: list[_Closed]) -> None:
+        """One store call for the kept episodes of several chunks, in order."""
+        parts = [c.part for c in closed]
+        outcomes = [c.finished.outcomes[p.kept] for c, p in zip(closed, parts, strict=True)]
+        if len(parts) == 1:
+            part = parts[0]
+            rows, start, lengths, defer = part.rows, part.start, part.lengths, part.defer
+            steps: int | np.ndarray = closed[0].item.env_steps_before
+            codes = outcomes[0]
+        else:
+            rows = np.concatenate([p.rows for p in parts])
+            start = np.concatenate([p.start for p in parts])
+            lengths = np.concatenate([p.lengths for p in parts])
+            counts = [p.rows.size for p in parts]
+            bounds = np.cumsum([0, *counts]).tolist()
+            defers = [p.defer for p in parts]
+
+            def defer(i: int) -> HeldEpisode:
+                k = bisect.bisect_right(bounds, i) - 1
+                return defers[k](i - bounds[k])
+
+            steps = np.repeat(
+                np.array([c.item.env_steps_before for c in closed], dtype=np.int64), counts
+            )
+            codes = np.concatenate(outcomes)
+        ring = self._ring
+        window = EpisodeWindow(ring.columns, ring.rewards, rows, start, lengths, defer)
+        self.processor.record_episodes(window, steps, outcomes=codes)

@@ -1,0 +1,230 @@
+"""Protobuf messages <-> the core's types, and refusals -> gRPC status, in one place.
+
+Received arrays become `EncodedArray`s whose headers are checked here (sizes first, before
+anything is allocated or decompressed); everything after that is the core's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from recorder_client import _wire
+from recorder_client._proto import recorder_pb2 as pb
+from recorder_client.status import SessionStatus
+
+from ..chunks import Chunk, EncodedArray, SessionConfig, SubmittedEpisode, encoded_array
+from ..episodes import Assembly
+from ..errors import ErrorKind, RequestError, invalid
+from ..session import Applied
+from ..store import EpisodeArrays
+
+logger = logging.getLogger(__name__)
+
+# The status each kind of refusal ends an RPC with.
+_STATUS = {
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.SESSION_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.NOT_JOINED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.SEQUENCE_GAP: grpc.StatusCode.ABORTED,
+    ErrorKind.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.STORAGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.NO_DATA: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NO_STORE: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NO_LOG: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+}
+assert set(_STATUS) == set(ErrorKind)
+
+# Refusals of one chunk that the Record stream answers with a REJECTED ack and goes on; any
+# other kind ends the stream (the client resends or gives up, by the status).
+CHUNK_REJECTIONS = frozenset({ErrorKind.INVALID})
+
+INTERNAL_MESSAGE = "internal error: the server logged it"
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(status code, message, kind tag) for an error that ends an RPC or refuses a chunk."""
+    if isinstance(error, RequestError):
+        return _STATUS[error.kind], str(error), error.kind.value
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "internal"
+
+
+def trailing(kind: str) -> tuple[tuple[str, str], ...]:
+    return ((_wire.ERROR_KIND_KEY, kind),)
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def config_from_proto(msg: pb.SessionConfig) -> SessionConfig:
+    capture = None
+    if msg.capture_config_json:
+        try:
+            capture = json.loads(msg.capture_config_json)
+        except ValueError as exc:
+            raise invalid(
+                f"config.capture_config_json: expected JSON, got an error ({exc})"
+            ) from None
+    max_episodes = msg.max_episodes if msg.HasField("max_episodes") else None
+    return SessionConfig.create(max_episodes, msg.record_states, list(msg.state_fields), capture)
+
+
+def array_from_proto(msg: pb.ArrayData, what: str, max_raw: int) -> EncodedArray:
+    return encoded_array(msg.dtype, msg.shape, msg.raw_size, msg.codec, msg.data, what, max_raw)
+
+
+def chunk_from_proto(msg: pb.Chunk, max_raw: int) -> Chunk:
+    arrays: dict[str, EncodedArray] = {}
+    for name in ("action", "reward", "done", "outcome"):
+        if msg.HasField(name):
+            arrays[name] = array_from_proto(getattr(msg, name), f"chunk.{name}", max_raw)
+    for named in msg.states:
+        what = f"chunk.states[{named.name[:64]!r}]"
+        key = "state:" + named.name
+        if key in arrays:
+            raise invalid(f"{what}: field sent twice")
+        arrays[key] = array_from_proto(named.array, what, max_raw)
+    return Chunk(msg.sequence, arrays)
+
+
+def episode_from_proto(msg: pb.SubmitEpisodeRequest, max_raw: int) -> SubmittedEpisode:
+    ep = msg.episode
+    arrays = {
+        "actions": array_from_proto(ep.actions, "episode.actions", max_raw),
+        "rewards": array_from_proto(ep.rewards, "episode.rewards", max_raw),
+    }
+    for named in ep.states:
+        key = "state:" + named.name
+        what = f"episode.states[{named.name[:64]!r}]"
+        if key in arrays:
+            raise invalid(f"{what}: field sent twice")
+        arrays[key] = array_from_proto(named.array, what, max_raw)
+    reference = None
+    if msg.HasField("start_reference"):
+        reference = (msg.start_reference.trajectory_id, msg.start_reference.step)
+    return SubmittedEpisode(arrays, dict(msg.episode_data), msg.step, msg.outcome, reference)
+
+
+# -- replies -----------------------------------------------------------------------------------
+
+_ACK = {
+    Applied.STORED: pb.RecordAck.STORED,
+    Applied.DROPPED_FULL: pb.RecordAck.DROPPED_FULL,
+    Applied.DUPLICATE: pb.RecordAck.DUPLICATE,
+}
+
+
+def ack(sequence: int, applied: Applied | RequestError, is_full: bool, steps: int) -> pb.RecordAck:
+    reply = pb.RecordAck(sequence=sequence, is_full=is_full, num_recorded_steps=steps)
+    if isinstance(applied, RequestError):
+        code, message, _ = status_of(applied)
+        reply.result = pb.RecordAck.REJECTED
+        reply.error_code = code.name
+        reply.error_message = message
+    else:
+        reply.result = _ACK[applied]
+    return reply
+
+
+def config_to_proto(status: SessionStatus, capture_json: str) -> pb.SessionConfig:
+    msg = pb.SessionConfig(
+        record_states=status.record_states,
+        state_fields=status.state_fields,
+        capture_config_json=capture_json,
+    )
+    if status.max_episodes is not None:
+        msg.max_episodes = status.max_episodes
+    return msg
+
+
+def status_to_proto(status: SessionStatus, config: SessionConfig) -> pb.StatusReply:
+    capture = "" if config.capture is None else json.dumps(config.capture.to_dict(), sort_keys=True)
+    return pb.StatusReply(
+        session=status.session,
+        config=config_to_proto(status, capture),
+        is_full=status.is_full,
+        num_recorded_steps=status.num_recorded_steps,
+        episodes_finished=status.episodes_finished,
+        chunks_stored=status.chunks_stored,
+        chunks_dropped=status.chunks_dropped,
+        raw_bytes=status.raw_bytes,
+        wire_bytes=status.wire_bytes,
+        workers=[
+            pb.WorkerStatus(
+                worker_id=w.worker_id,
+                worker_index=w.worker_index,
+                num_envs=w.num_envs,
+                last_sequence=w.last_sequence,
+                chunks_stored=w.chunks_stored,
+                chunks_dropped=w.chunks_dropped,
+                steps=w.steps,
+                episodes_finished=w.episodes_finished,
+                raw_bytes=w.raw_bytes,
+                wire_bytes=w.wire_bytes,
+            )
+            for w in status.workers
+        ],
+    )
+
+
+def encode_array(arr: np.ndarray) -> pb.ArrayData:
+    arr = np.ascontiguousarray(arr)
+    codec, data = _wire.encode(arr)
+    return pb.ArrayData(
+        dtype=arr.dtype.str, shape=arr.shape, raw_size=arr.nbytes, codec=codec, data=data
+    )
+
+
+def episode_to_proto(episode: EpisodeArrays) -> pb.EpisodeArrays:
+    return pb.EpisodeArrays(
+        actions=encode_array(np.asarray(episode.actions)),
+        rewards=encode_array(np.asarray(episode.rewards)),
+        states=[
+            pb.NamedArray(name=k, array=encode_array(np.asarray(v)))
+            for k, v in episode.states.items()
+        ],
+    )
+
+
+def finish_header(plan: Assembly, worker_ids: list[str]) -> pb.FinishPart:
+    header = pb.FinishHeader(
+        num_episodes=plan.num_episodes,
+        max_length=plan.max_length,
+        lengths=plan.lengths.tolist(),
+        workers=plan.workers.tolist(),
+        envs=plan.envs.tolist(),
+        starts=plan.starts.tolist(),
+        done=plan.done.tolist(),
+        worker_ids=worker_ids,
+    )
+    for spec in plan.fields:
+        shape = (plan.num_episodes, plan.max_length, *spec.trailing)
+        header.fields.append(pb.FieldSpec(name=spec.name, dtype=spec.dtype.str, shape=shape))
+    return pb.FinishPart(header=header)
+
+
+def finish_part(field: int, row_start: int, row_count: int, flat: np.ndarray) -> pb.FinishPart:
+    return pb.FinishPart(
+        array=pb.ArrayPart(
+            field=field, row_start=row_start, row_count=row_count, array=encode_array(flat)
+        )
+    )
+
+
+def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
+    pieces = _wire.file_pieces(data)
+    yield pb.FilePart(
+        session=session, name=name, size=len(data), sha256=_wire.digest(data), data=next(pieces)
+    )
+    for piece in pieces:
+        yield pb.FilePart(data=piece)
+
+
+def empty_file(session: str) -> pb.FilePart:
+    return pb.FilePart(session=session, empty=True)

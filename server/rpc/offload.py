@@ -1,0 +1,66 @@
+"""Work off the event loop: thread pools with a bounded number of calls in flight.
+
+The event loop only moves messages; decoding, splitting, the log, the store and every
+session lock are taken on these threads (zstd, numpy and the compiled store loops release
+the GIL). A pool takes at most ``threads + queue`` calls at once; further callers wait on the
+loop (a coroutine each, no thread), so their streams stop being read and gRPC's flow control
+holds the clients back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def default_threads() -> int:
+    """Ingest threads for this machine: a few per core, for the time spent in I/O."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(4, min(32, 2 * (cores or 1)))
+
+
+class Offload:
+    def __init__(self, threads: int, queue: int, name: str) -> None:
+        if threads < 1 or queue < 0:
+            raise ValueError(f"threads, queue: expected >= 1 and >= 0, got {threads}, {queue}")
+        self.threads = threads
+        self.capacity = threads + queue
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
+        self._slots: asyncio.Semaphore | None = None
+        self.waiting = 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a pool thread, once a slot is free."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.capacity)
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        loop = asyncio.get_running_loop()
+        slots = self._slots
+        try:
+            future = self._pool.submit(fn, *args)
+        except BaseException:
+            slots.release()
+            raise
+
+        def free(_: object) -> None:
+            try:
+                loop.call_soon_threadsafe(slots.release)
+            except RuntimeError:  # the loop is closed: the server has stopped
+                pass
+
+        # The slot is free once the call is done, even when its caller was cancelled.
+        future.add_done_callback(free)
+        return await asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        """Stop taking work; threads finish what they run (no wait here)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

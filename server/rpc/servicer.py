@@ -1,0 +1,329 @@
+"""The gRPC servicer: each RPC converts its messages and runs the core off the event loop.
+
+An open stream costs a coroutine, not a thread. Ingest (a chunk: decode, split, log, queue
+for the store) runs on the ingest pool; everything else that touches a session (finish,
+status, reset, store verbs, checkpoints) on the control pool, so that it answers at once
+however busy ingest is. Every refusal ends its RPC through `convert.status_of`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from recorder_client import _wire
+from recorder_client._proto import recorder_pb2 as pb
+from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+from ..chunks import Chunk
+from ..durability import Durability, snapshot
+from ..durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from ..errors import ErrorKind, RequestError, invalid
+from ..session import Applied, Session
+from ..sessions import Sessions
+from ..store import kernels
+from . import convert
+from .offload import Offload
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_PART_BYTES = 4 << 20
+# Join waits at most this long for the store's compiled loops (loaded in about a second).
+_WARM_UP_S = 30.0
+
+
+class RecorderServicer(pb_grpc.RecorderServicer):
+    def __init__(
+        self,
+        sessions: Sessions,
+        metrics,
+        durability: Durability | None,
+        *,
+        ingest: Offload,
+        control: Offload,
+    ) -> None:
+        self.sessions = sessions
+        self.metrics = metrics
+        self.durability = durability
+        self.ingest = ingest
+        self.control = control
+        self.max_raw = sessions.limits.max_array_bytes
+        self._started = time.monotonic()
+
+    # -- helpers ---------------------------------------------------------
+    async def _abort(self, context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
+        code, message, kind = convert.status_of(error)
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("RPC failed", exc_info=error)
+        context.set_trailing_metadata(convert.trailing(kind))
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the control pool; any error ends the RPC with its status."""
+        try:
+            return await self.control.run(fn, *args)
+        except Exception as exc:
+            await self._abort(context, exc)
+
+    # -- recording -------------------------------------------------------
+    def _join(self, request: pb.JoinRequest) -> tuple[Session, pb.JoinReply]:
+        config = convert.config_from_proto(request.config)
+        session = self.sessions.join(request.session, config, request.worker_id)
+        reply = pb.JoinReply(
+            worker_index=session.workers[request.worker_id].index,
+            last_sequence=session.last_sequence[request.worker_id],
+            status=convert.status_to_proto(session.status(), session.config),
+        )
+        return session, reply
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        session, reply = await self._run(context, self._join, request)
+        if session.processor.store is not None:
+            # The store's compiled loops load in about a second (a first compile on a fresh
+            # install takes longer): the worker starts once they are ready.
+            remaining = context.time_remaining()
+            budget = _WARM_UP_S if remaining is None else max(0.0, min(_WARM_UP_S, remaining - 1))
+            deadline = time.monotonic() + budget
+            while not kernels.warm_up() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        return reply
+
+    def _open(self, request: pb.RecordRequest) -> tuple[Session, str]:
+        if request.WhichOneof("kind") != "open":
+            raise invalid("Record: expected `open` as the first message, got a chunk")
+        session = self.sessions.get(request.open.session)
+        session.worker(request.open.worker_id)
+        return session, request.open.worker_id
+
+    def _apply(self, session: Session, worker_id: str, msg: pb.Chunk) -> pb.RecordAck:
+        began = time.perf_counter()
+        try:
+            chunk = convert.chunk_from_proto(msg, self.max_raw)
+        except RequestError as err:
+            chunk = Chunk(msg.sequence, {}, refused=err)
+        try:
+            applied: Applied | RequestError = session.apply(worker_id, chunk)
+        except RequestError as err:
+            if err.kind not in convert.CHUNK_REJECTIONS:
+                if err.kind == ErrorKind.STORAGE:
+                    self.metrics.inc("Recorder/chunks_refused_no_space", 1, session=session.name)
+                raise
+            applied = err
+            self.metrics.inc("Recorder/chunks_rejected", 1, session=session.name)
+            logger.info("chunk %d of %r refused: %s", msg.sequence, worker_id, err)
+        self.metrics.set(
+            "Recorder/ack_latency_seconds",
+            time.perf_counter() - began,
+            session=session.name,
+            worker=worker_id,
+        )
+        return convert.ack(msg.sequence, applied, session.is_full, session.num_recorded_steps)
+
+    async def Record(
+        self, request_iterator: AsyncIterator[pb.RecordRequest], context
+    ) -> AsyncIterator[pb.RecordAck]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        session, worker_id = await self._run(context, self._open, first)
+        async for request in request_iterator:
+            if request.WhichOneof("kind") != "chunk":
+                await self._abort(context, invalid("Record: expected a chunk, got `open` again"))
+            try:
+                reply = await self.ingest.run(self._apply, session, worker_id, request.chunk)
+            except Exception as exc:
+                await self._abort(context, exc)
+            yield reply
+
+    def _finish_parts(self, request: pb.FinishRequest):
+        session = self.sessions.get(request.session)
+        plan = session.assemble(request.pad_incomplete)
+        yield convert.finish_header(plan, list(session.workers))
+        part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
+        for index, spec in enumerate(plan.fields):
+            for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
+                yield convert.finish_part(index, row_start, row_count, flat)
+
+    async def Finish(self, request: pb.FinishRequest, context) -> AsyncIterator[pb.FinishPart]:
+        # Each part is gathered and compressed on the control pool, one at a time.
+        parts = await self._run(context, self._finish_parts, request)
+        while True:
+            part = await self._run(context, next, parts, None)
+            if part is None:
+                return
+            yield part
+
+    def _reset(self, request: pb.ResetRequest) -> pb.ResetReply:
+        session = self.sessions.get(request.session)
+        session.reset()
+        logger.info("session %r reset", session.name)
+        return pb.ResetReply(status=convert.status_to_proto(session.status(), session.config))
+
+    async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
+        return await self._run(context, self._reset, request)
+
+    def _status(self, name: str) -> pb.StatusReply:
+        session = self.sessions.get(name)
+        return convert.status_to_proto(session.status(), session.config)
+
+    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+        return await self._run(context, self._status, request.session)
+
+    def _metrics(self) -> pb.MetricsReply:
+        now = time.monotonic()
+        replies = []
+        for session in self.sessions.all():
+            for worker_id, lag in session.worker_lags(now).items():
+                self.metrics.set(
+                    "Recorder/worker_lag_seconds", lag, session=session.name, worker=worker_id
+                )
+            status = session.status()
+            self.metrics.set("Recorder/held_wire_bytes", status.wire_bytes, session=session.name)
+            replies.append(convert.status_to_proto(status, session.config))
+        return pb.MetricsReply(
+            values=self.metrics.snapshot(), sessions=replies, uptime_s=now - self._started
+        )
+
+    async def GetMetrics(self, request: pb.MetricsRequest, context) -> pb.MetricsReply:
+        return await self._run(context, self._metrics)
+
+    # -- trajectory store ------------------------------------------------
+    def _submit(self, request: pb.SubmitEpisodeRequest) -> pb.SubmitEpisodeReply:
+        session = self.sessions.get(request.session)
+        episode = convert.episode_from_proto(request, self.max_raw)
+        return pb.SubmitEpisodeReply(episodes_captured=session.submit_episode(episode))
+
+    async def SubmitEpisode(self, request: pb.SubmitEpisodeRequest, context):
+        return await self._run(context, self._submit, request)
+
+    def _sample(self, name: str) -> pb.SampleStartReply:
+        sampled = self.sessions.get(name).sample_start()
+        if sampled is None:
+            return pb.SampleStartReply(found=False)
+        reference, prefix = sampled
+        return pb.SampleStartReply(
+            found=True,
+            reference=pb.SliceReference(trajectory_id=reference.trajectory_id, step=reference.step),
+            prefix=convert.episode_to_proto(prefix),
+        )
+
+    async def SampleStart(self, request: pb.SampleStartRequest, context):
+        return await self._run(context, self._sample, request.session)
+
+    def _potential(self, request: pb.SnapshotPotentialRequest) -> pb.SnapshotPotentialReply:
+        session = self.sessions.get(request.session)
+        values = session.snapshot_potential(request.utility_key, list(request.field_names))
+        reply = pb.SnapshotPotentialReply(key_width=len(request.field_names))
+        for key, value in values.items():
+            reply.keys.extend(int(k) for k in key)
+            reply.values.append(float(value))
+        return reply
+
+    async def SnapshotPotential(self, request: pb.SnapshotPotentialRequest, context):
+        return await self._run(context, self._potential, request)
+
+    def _store_file(self, request: pb.StoreCheckpointRequest) -> list[pb.FilePart]:
+        session = self.sessions.get(request.session)
+        file = session.store_checkpoint(request.compress, int(request.checkpoint_step))
+        if file is None:
+            return [convert.empty_file(session.name)]
+        name, data = file
+        return list(convert.file_parts(session.name, name, data))
+
+    async def GetStoreCheckpoint(self, request: pb.StoreCheckpointRequest, context):
+        for part in await self._run(context, self._store_file, request):
+            yield part
+
+    def _load_store(self, name: str, data: bytes) -> pb.LoadReply:
+        session = self.sessions.get(name)
+        session.load_store_checkpoint(data)
+        self._checkpoint_after_load()
+        return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
+
+    async def LoadStoreCheckpoint(self, request_iterator, context) -> pb.LoadReply:
+        name, data = await self._receive(request_iterator, context)
+        return await self._run(context, self._load_store, name, data)
+
+    # -- runtime state and checkpoints -----------------------------------
+    def _state_file(self, name: str) -> list[pb.FilePart]:
+        session = self.sessions.get(name)
+        with session.lock:
+            session.drain()
+            meta, blobs = snapshot.session_state(session)
+            data = snapshot.pack(meta, blobs)
+        framed = encode_checkpoint(data, compress=False)
+        return list(convert.file_parts(session.name, f"{session.name}.state", framed))
+
+    async def GetRuntimeState(self, request: pb.RuntimeStateRequest, context):
+        for part in await self._run(context, self._state_file, request.session):
+            yield part
+
+    def _load_state(self, name: str, data: bytes) -> pb.LoadReply:
+        try:
+            meta, blobs = snapshot.unpack(decode_checkpoint(data, source="runtime state"))
+            if meta.get("name") != name:
+                raise ValueError(
+                    f"session: expected state of session {name!r}, got {meta.get('name')!r}"
+                )
+            session = self.sessions.restore(meta, blobs, limit=True)
+        except (CheckpointError, ValueError) as exc:
+            raise invalid(f"runtime state: {exc}") from None
+        self._checkpoint_after_load()
+        return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
+
+    async def LoadRuntimeState(self, request_iterator, context) -> pb.LoadReply:
+        name, data = await self._receive(request_iterator, context)
+        return await self._run(context, self._load_state, name, data)
+
+    def _checkpoint_after_load(self) -> None:
+        # Loaded state is not in the log: a checkpoint makes it durable before the reply.
+        if self.durability is not None:
+            try:
+                self.durability.checkpoint(self.sessions)
+            except OSError as exc:
+                raise RequestError(
+                    ErrorKind.STORAGE, f"data directory: checkpoint failed ({exc})"
+                ) from None
+
+    def _checkpoint(self) -> pb.CheckpointReply:
+        if self.durability is None:
+            raise RequestError(
+                ErrorKind.NO_LOG,
+                "checkpoint: expected a server with a write-ahead log, got one started with "
+                "--no-wal",
+            )
+        try:
+            path, cut = self.durability.checkpoint(self.sessions)
+        except OSError as exc:
+            raise RequestError(ErrorKind.STORAGE, f"checkpoint failed: {exc}") from None
+        return pb.CheckpointReply(path=str(path), wal_index=cut)
+
+    async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
+        return await self._run(context, self._checkpoint)
+
+    async def _receive(self, request_iterator, context) -> tuple[str, bytes]:
+        """A streamed file: its session and bytes (declared size and sha256 checked)."""
+        first = None
+        buf = bytearray()
+        async for part in request_iterator:
+            if first is None:
+                first = part
+            buf += part.data
+            if len(buf) > first.size:
+                break
+        try:
+            if first is None:
+                raise invalid("file: expected at least one part, got none")
+            _wire.check_file(first.name, first.size, first.sha256, bytes(buf))
+        except RequestError as exc:
+            await self._abort(context, exc)
+        except ValueError as exc:
+            await self._abort(context, invalid(str(exc)))
+        return first.session, bytes(buf)

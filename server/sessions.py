@@ -1,0 +1,178 @@
+"""Every session of a server: creation on first join, limits, log replay, consistent locking.
+
+Plain Python; the gRPC edge calls it from its worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+from .chunks import SessionConfig
+from .durability import records, snapshot
+from .errors import ErrorKind, RequestError
+from .session import Journal, Session, check_session_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    """Bounds on what one server accepts."""
+
+    max_sessions: int = 64
+    """Sessions held at once."""
+    max_workers_per_session: int = 1024
+    """Workers one session takes."""
+    max_array_bytes: int = 1 << 31
+    """Largest raw size of one received array."""
+
+
+class Sessions:
+    """The registry: sessions by name, each created on its first join."""
+
+    def __init__(self, limits: ServiceLimits, metrics, journal: Journal | None = None) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        # Appends a write-ahead log record; None without a log.
+        self.journal = journal
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.RLock()
+
+    def _new(self, name: str, config: SessionConfig) -> Session:
+        return Session(
+            name,
+            config,
+            self.metrics,
+            max_workers=self.limits.max_workers_per_session,
+            journal=self.journal,
+        )
+
+    def _log(self, record: list) -> None:
+        try:
+            self.journal(record)
+        except OSError as exc:
+            raise RequestError(
+                ErrorKind.STORAGE,
+                f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
+            ) from None
+
+    def join(
+        self, name: str, config: SessionConfig, worker_id: str, *, log: bool = True
+    ) -> Session:
+        """Create the session on first use and add the worker; logged before it counts."""
+        name = check_session_name(name)
+        with self._lock:
+            session = self._sessions.get(name)
+            if session is None:
+                if len(self._sessions) >= self.limits.max_sessions:
+                    raise RequestError(
+                        ErrorKind.LIMIT,
+                        f"session: this server allows at most {self.limits.max_sessions} "
+                        f"sessions, got a new one ({name!r})",
+                    )
+                session = self._new(name, config)
+                try:
+                    session.check_join(worker_id, config)
+                    if log and self.journal is not None:
+                        self._log(records.join(name, worker_id, config))
+                except BaseException:
+                    session.close()
+                    raise
+                self._sessions[name] = session
+                logger.info("session %r created: %s", name, config)
+            elif worker_id not in session.workers:
+                session.check_join(worker_id, config)
+                if log and self.journal is not None:
+                    self._log(records.join(name, worker_id, config))
+            session.join(worker_id, config)
+            return session
+
+    def get(self, name: str) -> Session:
+        check_session_name(name)
+        with self._lock:
+            session = self._sessions.get(name)
+        if session is None:
+            raise RequestError(
+                ErrorKind.UNKNOWN_SESSION,
+                f"session: expected a session that was joined, got {name!r}",
+            )
+        return session
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def restore(self, meta: dict[str, Any], blobs: list, *, limit: bool = False) -> Session:
+        """Replace (or create) a session from a saved state, checked like live input.
+        ``limit``: refuse a new session beyond max_sessions (recovery restores whatever
+        the last checkpoint held)."""
+        if not isinstance(meta, dict):
+            raise snapshot.SnapshotError("state: expected a mapping")
+        name = meta.get("name")
+        if not isinstance(name, str):
+            raise snapshot.SnapshotError(f"state.name: expected a session name, got {name!r}")
+        try:
+            check_session_name(name)
+        except RequestError as exc:
+            raise snapshot.SnapshotError(f"state.{exc}") from None
+        config = snapshot.session_config(meta)
+        session = self._new(name, config)
+        try:
+            snapshot.restore_session(session, meta, blobs)
+        except BaseException:
+            session.close()
+            raise
+        with self._lock:
+            old = self._sessions.get(name)
+            if limit and old is None and len(self._sessions) >= self.limits.max_sessions:
+                session.close()
+                raise RequestError(
+                    ErrorKind.LIMIT,
+                    f"session: this server allows at most {self.limits.max_sessions} "
+                    f"sessions, got a new one ({name!r})",
+                )
+            self._sessions[name] = session
+        if old is not None:
+            old.close()
+        return session
+
+    def replay(self, data: bytes) -> None:
+        """Apply one write-ahead log record (nothing is logged again)."""
+        try:
+            record = records.decode(data)
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("log record not replayed: unreadable (%s)", exc)
+            return
+        try:
+            if record.kind == records.JOIN:
+                self.join(record.session, record.body, record.worker, log=False)
+            elif record.kind == records.CHUNK:
+                self.get(record.session).apply(record.worker, record.body, log=False)
+            elif record.kind == records.RESET:
+                self.get(record.session).reset(log=False)
+            elif record.kind == records.EPISODE:
+                self.get(record.session).submit_episode(record.body, log=False)
+        except RequestError as err:
+            logger.warning("log record for session %r not replayed: %s", record.session, err)
+
+    def lock_all(self, stack: ExitStack) -> list[Session]:
+        """Hold every lock that guards a change, feeders drained (a consistent checkpoint)."""
+        stack.enter_context(self._lock)
+        sessions = sorted(self._sessions.values(), key=lambda s: s.name)
+        for session in sessions:
+            stack.enter_context(session.lock)
+        for session in sessions:
+            session.drain()
+        return sessions
+
+    def drain(self) -> None:
+        for session in self.all():
+            session.drain()
+
+    def close(self) -> None:
+        for session in self.all():
+            session.close()
