@@ -19,6 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from recorder_client import RecorderUnavailableError
+from recorder_client._launch import ServerProcess
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -208,16 +211,34 @@ class Child:
         return self.proc.returncode
 
 
-def serve_argv() -> list[str]:
-    """`rollout-recorder` from this interpreter's environment (or `-m recorder_server`)."""
-    script = Path(sys.executable).parent / "rollout-recorder"
-    if script.exists():
-        return [sys.executable, str(script)]
-    return [sys.executable, "-m", "recorder_server"]
+def extract_code(rev: str, dest: Path) -> tuple[Path, str]:
+    """client/ and server/ as committed at git `rev`, under dest as importable packages:
+    returns (the directory to put first on PYTHONPATH, the commit)."""
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", sha, "client", "server"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    pkgs = dest / "pkgs"
+    pkgs.mkdir()
+    (pkgs / "recorder_client").symlink_to(dest / "client", target_is_directory=True)
+    (pkgs / "recorder_server").symlink_to(dest / "server", target_is_directory=True)
+    return pkgs, sha
 
 
-class RecorderServer(Child):
-    """`rollout-recorder serve --listen 127.0.0.1:0` plus any extra flags."""
+class RecorderServer(ServerProcess):
+    """`rollout-recorder serve --listen 127.0.0.1:0` plus any extra flags, its stderr in a log
+    (started and waited for by the project's one launcher)."""
 
     def __init__(
         self,
@@ -227,19 +248,33 @@ class RecorderServer(Child):
         env: dict[str, str] | None = None,
     ) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            *serve_argv(),
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(data_dir),
-            *extra_args,
-        ]
-        super().__init__(argv, log_path=log_path, env={**os.environ, **env} if env else None)
-        line = self.read_line(60, prefix="rollout-recorder listening on ")
-        self.address = line.rsplit(" ", 1)[1].strip()
+        self.log_path = log_path
+        self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.extra_args = list(extra_args)
+        args = ["--listen", "127.0.0.1:0", "--data-dir", str(data_dir), *extra_args]
+        try:
+            super().__init__(args, stderr=self._log, env={**os.environ, **env} if env else None)
+        except RecorderUnavailableError as exc:
+            self._log.close()
+            raise RuntimeError(f"{exc}: {self.log_tail()}") from None
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text()[-chars:]
+        except OSError:
+            return ""
+
+    def status(self) -> dict[str, int]:
+        return proc_status(self.pid)
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.pid)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        try:
+            return super().stop(timeout)
+        finally:
+            self._log.close()
 
 
 class RawGrpcServer(Child):

@@ -25,18 +25,21 @@ RATE = 200  # samples per second
 
 # (stage, substrings of a py-spy stack (short file names); the first stage with a match wins).
 STAGES: list[tuple[str, tuple[str, ...]]] = [
-    ("client: zstd encode", ("encode_chunk", "encode_array")),
+    ("client: zstd encode", ("encode_chunk", "array_to_proto")),
     ("client: record() caller", ("RolloutRecorder.record", "run_remote")),
-    ("server: decode + validate chunk", ("decode_chunk", "decode_array", "decode_into")),
-    ("server: episode feeder (store, metrics)", ("feeder.py",)),
+    ("server: decode + validate chunk", ("decode_chunk", "chunk_from_proto", "decode_into")),
+    (
+        "server: episode feeder (store, metrics)",
+        ("feeder.py", "tails.py", "window.py", "held.py", "buffers.py"),
+    ),
     ("server: episode split, session", ("add_chunk", "session.py", "episodes.py")),
-    ("server: WAL / checkpoint", ("wal.py", "checkpoint.py")),
+    ("server: WAL / checkpoint", ("wal.py", "checkpoint.py", "records.py", "files.py")),
     (
         "server: store / metrics",
-        ("capture.py", "cells.py", "archive.py", "repository.py", "metrics.py", "metrics_sinks"),
+        ("processor.py", "cells.py", "archive.py", "repository.py", "tracker.py", "sinks.py"),
     ),
     ("gRPC Python layer (send, receive, polling)", ("_channel.py", "_server.py", "_common.py")),
-    ("client: sender thread (acks, queue)", ("stream.py",)),
+    ("client: sender thread (acks, queue)", ("_stream.py",)),
 ]
 NATIVE = "native code, no Python frame (gRPC core threads)"
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*)(?::\d+)?\)$")

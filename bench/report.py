@@ -124,6 +124,22 @@ class Target:
 
 TARGETS = [
     Target(
+        "200 idle open streams cost <= 10% of 4 busy workers' ingest",
+        lambda r: 1 - r["ingest_4w_idle_200"]["raw_mb_s"] / r["ingest_4w"]["raw_mb_s"],
+        "<=",
+        0.10,
+        "x",
+        "1 - ingest_4w_idle_200 / ingest_4w",
+    ),
+    Target(
+        "ingest with 4 workers no slower than the previous server core",
+        lambda r: r["ingest_4w"]["raw_mb_s"] / r["ingest_4w_previous_core"]["raw_mb_s"],
+        ">=",
+        1.0,
+        "x",
+        "ingest_4w / ingest_4w_previous_core",
+    ),
+    Target(
         "ingest >= 400 MB/s raw with 4 workers",
         lambda r: r["ingest_4w"]["raw_mb_s"],
         ">=",

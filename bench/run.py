@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from procs import BENCH_DIR, REPO  # noqa: E402
+from procs import BENCH_DIR, extract_code  # noqa: E402
 from report import (  # noqa: E402
     TARGETS,
     cpu_table,
@@ -102,26 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def use_snapshot(rev: str, tmp: Path) -> dict[str, str]:
     """Extract client/ and server/ at `rev` and put them first on every process's path."""
-    sha = subprocess.run(
-        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    dest = tmp / "src"
-    dest.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", sha, "client", "server"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    pkgs = dest / "pkgs"
-    pkgs.mkdir()
-    (pkgs / "recorder_client").symlink_to(dest / "client", target_is_directory=True)
-    (pkgs / "recorder_server").symlink_to(dest / "server", target_is_directory=True)
+    pkgs, sha = extract_code(rev, tmp / "src")
     # PathFinder (PYTHONPATH, sys.path) runs before the editable install's finder.
     old = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(pkgs), old) if p)

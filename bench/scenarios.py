@@ -17,7 +17,9 @@ every recorder server of the run.
 from __future__ import annotations
 
 import gc
+import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -27,8 +29,10 @@ from typing import Any
 import numpy as np
 from procs import (
     BENCH_DIR,
+    Child,
     RawGrpcServer,
     RecorderServer,
+    extract_code,
     machine_snapshot,
     machine_window,
     proc_cpu_s,
@@ -37,6 +41,10 @@ from procs import (
 from workload import STATE_FIELDS, make_pool
 
 MB = 1e6
+
+# The last commit of the server core that held a thread per open stream: the
+# `ingest_4w_previous_core` rows run its server beside this one.
+PREVIOUS_CORE = "926cf27"
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,13 @@ class Context:
     serve_args: list[str]  # appended to every recorder server's flags
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     _ray: Any = None
+    _previous_core: Path | None = None
+
+    def previous_core(self) -> Path:
+        """PREVIOUS_CORE's packages, extracted once per run (for a server's PYTHONPATH)."""
+        if self._previous_core is None:
+            self._previous_core, _ = extract_code(PREVIOUS_CORE, self.tmp / "previous-core")
+        return self._previous_core
 
     def log(self, msg: str) -> None:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -369,7 +384,7 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
                 lat.append(time.perf_counter_ns() - t0)
             rec.flush()
             wall = (time.perf_counter_ns() - t_start) / 1e9
-            stats = rec._sender.stats
+            stats = rec.stats
             out[name] = {
                 **latency_summary(lat),
                 "max_bytes_in_flight": cap,
@@ -473,16 +488,37 @@ def ingest_scenario(
     serve_env: dict[str, str] | None = None,
     description: str = "",
     capture: bool = False,
+    idle_streams: int = 0,
+    previous_core: bool = False,
+    rows: Callable[[dict[str, dict[str, Any]]], list[Row]] | None = None,
 ) -> Scenario:
     """`workers` processes record `ingest_chunks` chunks each into one session.
 
     `serve_args` / `serve_env`: extra flags / environment for this scenario's server;
-    `compare_to`: another scenario whose MB/s is this row's reference.
+    `compare_to`: another scenario whose MB/s is this row's reference; `idle_streams`:
+    that many more workers of the session hold open streams with no data throughout;
+    `previous_core`: the server runs PREVIOUS_CORE's code (the workers this tree's client).
     """
 
     def run(ctx: Context, rep: int) -> dict[str, Any]:
-        server = ctx.server(f"{name}-{rep}", serve_args, serve_env)
+        env = dict(serve_env or {})
+        if previous_core:
+            env["PYTHONPATH"] = str(ctx.previous_core())
+        server = ctx.server(f"{name}-{rep}", serve_args, env or None)
+        holders = None
         try:
+            if idle_streams:
+                spec = {
+                    "mode": "idle",
+                    "target": server.address,
+                    "session": "ingest",
+                    "count": idle_streams,
+                }
+                log = ctx.tmp / f"{name}-{rep}" / "idle.log"
+                holders = Child(
+                    [sys.executable, str(BENCH_DIR / "worker.py"), json.dumps(spec)], log_path=log
+                )
+                holders.read_json("ready", 300)
             idle = server.status()
             cpu0 = server.cpu_s()
             specs = [
@@ -504,12 +540,17 @@ def ingest_scenario(
             out["server_vm"] = server.status()
             out["status"] = session_status(server.address, "ingest")
             out["serve_args"] = [*serve_args, *ctx.serve_args]
-            out["serve_env"] = dict(serve_env or {})
+            out["serve_env"] = env
+            out["idle_streams"] = idle_streams
             return out
         finally:
+            if holders is not None:
+                holders.send("stop")
+                holders.read_json("result", 120)
+                holders.stop()
             server.stop()
 
-    def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
+    def default_rows(results: dict[str, dict[str, Any]]) -> list[Row]:
         r = results.get(name)
         if not r:
             return []
@@ -592,12 +633,65 @@ def ingest_scenario(
     return Scenario(
         name,
         run,
-        rows,
+        rows or default_rows,
         serve_args,
         description or f"ingest, {workers} worker processes",
         dict(serve_env or {}),
         repeated=True,
     )
+
+
+def rows_idle_streams(results: dict[str, dict[str, Any]]) -> list[Row]:
+    r, base = results.get("ingest_4w_idle_200"), results.get("ingest_4w")
+    if not r:
+        return []
+    return [
+        Row(
+            "ingest",
+            f"ingest MB/s raw, 4 busy workers beside {r['idle_streams']} idle open streams "
+            "(workers of the same session with no data)",
+            r["raw_mb_s"],
+            base["raw_mb_s"] if base else None,
+            "ingest_4w (no idle streams)",
+            "MB/s",
+            "higher",
+        )
+    ]
+
+
+def _mb_per_cpu_s(r: dict[str, Any] | None) -> float | None:
+    cpu = (r or {}).get("machine", {}).get("ours_cpu_s")
+    return r["raw_bytes"] / MB / cpu if cpu else None
+
+
+def rows_previous_core(results: dict[str, dict[str, Any]]) -> list[Row]:
+    ours, previous = results.get("ingest_4w"), results.get("ingest_4w_previous_core")
+    if not previous:
+        return []
+    label = f"previous core ({PREVIOUS_CORE}: a thread per stream), 4w"
+    return [
+        Row(
+            "ingest",
+            "ingest MB/s raw, 4 workers: this server core against the previous one "
+            "(same client, same run)",
+            ours["raw_mb_s"] if ours else None,
+            previous["raw_mb_s"],
+            label,
+            "MB/s",
+            "higher",
+        ),
+        Row(
+            "ingest",
+            "ingest efficiency, 4 workers: MB raw per CPU-second of every process, this "
+            "server core against the previous one",
+            _mb_per_cpu_s(ours),
+            _mb_per_cpu_s(previous),
+            label,
+            "MB/CPU-s",
+            "higher",
+            digits=0,
+        ),
+    ]
 
 
 # -- (c) baselines: Ray actor around factoriax, raw gRPC bytes -----------------
@@ -794,22 +888,24 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
     from workload import STATE_FIELDS as FIELDS
     from workload import store_configuration
 
-    from recorder_client import codec
+    from recorder_client._messages import array_to_proto
     from recorder_client._proto import recorder_pb2 as pb
+    from recorder_server.chunks import SessionConfig
     from recorder_server.metrics import MetricsConfig, MetricsTracker, NullMetrics, WriteGate
-    from recorder_server.session import Session, SessionConfig
+    from recorder_server.rpc.convert import chunk_from_proto
+    from recorder_server.session import Session
 
     p = ctx.params
     pool = make_pool(p.pool, length=p.length, num_envs=p.num_envs, seed=3, done_prob=p.done_prob)
     chunks = []
     for i, c in enumerate(pool):
         msg = pb.Chunk(sequence=i + 1)
-        msg.action.CopyFrom(codec.encode_array(c.rollout.action))
-        msg.reward.CopyFrom(codec.encode_array(c.rollout.reward))
-        msg.done.CopyFrom(codec.encode_array(c.rollout.done))
+        msg.action.CopyFrom(array_to_proto(c.rollout.action))
+        msg.reward.CopyFrom(array_to_proto(c.rollout.reward))
+        msg.done.CopyFrom(array_to_proto(c.rollout.done))
         for name in FIELDS:
             msg.states.append(
-                pb.NamedArray(name=name, array=codec.encode_array(getattr(c.states, name)))
+                pb.NamedArray(name=name, array=array_to_proto(getattr(c.states, name)))
             )
         chunks.append(msg)
     capture = store_configuration()
@@ -836,8 +932,9 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
         session.join("w", config)
         start = time.process_time()
         for msg in chunks:
-            session.apply("w", msg, 1 << 31, log=False)
-        session.feeder.drain()
+            # As the servicer takes a chunk: headers checked at the edge, then the core.
+            session.apply("w", chunk_from_proto(msg, 1 << 31), log=False)
+        session.drain()
         used = time.process_time() - start
         session.close()
         metrics.close()
@@ -964,6 +1061,20 @@ SCENARIOS: list[Scenario] = [
         serve_args=("--no-wal",),
         compare_to="ingest_4w",
         description="ingest, 4 workers, no write-ahead log at all",
+    ),
+    ingest_scenario(
+        "ingest_4w_idle_200",
+        workers=4,
+        idle_streams=200,
+        rows=rows_idle_streams,
+        description="ingest, 4 busy workers beside 200 workers holding open streams, no data",
+    ),
+    ingest_scenario(
+        "ingest_4w_previous_core",
+        workers=4,
+        previous_core=True,
+        rows=rows_previous_core,
+        description=f"ingest, 4 workers, into the previous server core ({PREVIOUS_CORE})",
     ),
 ]
 

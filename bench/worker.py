@@ -8,6 +8,7 @@ Modes:
           has recorded every acknowledged chunk)
   ray     a Ray actor wrapping the in-process factoriax recorder; done = every ref resolved
   raw     a generic gRPC bytes stream of the same uncompressed bytes; done = every ack read
+  idle    `count` recorders with open streams and no data, until a line on stdin
 
 Protocol on stdout, one JSON object a line: {"event": "ready"} once the pool is
 generated and the connection is up, then (after a line on stdin)
@@ -105,7 +106,7 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
         rec.capture.snapshot_potential(capture.utilities[0].name, ["x", "y"])
     end = time.perf_counter_ns()
     cpu = cpu_s() - cpu0
-    stats = rec._sender.stats
+    stats = rec.stats
     out = {
         "start_ns": start,
         "submitted_ns": submitted,
@@ -223,18 +224,48 @@ def run_raw(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     }
 
 
-MODES = {"remote": run_remote, "ray": run_ray, "raw": run_raw}
+def run_idle(spec: dict[str, Any], pool: list) -> dict[str, Any]:
+    """``count`` recorders that join the session and keep their Record streams open with no
+    data, until the parent says stop; their threads sit in one process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recorder_client import RolloutRecorder
+
+    def open_one(i: int) -> Any:
+        return RolloutRecorder(
+            record_states=True,
+            state_fields=list(STATE_FIELDS),
+            target=spec["target"],
+            session=spec["session"],
+            worker_id=f"idle-{i}",
+            connect_timeout=120,
+        )
+
+    with ThreadPoolExecutor(16) as pool_:
+        recorders = list(pool_.map(open_one, range(spec["count"])))
+    emit("ready", rss_ready=maxrss_bytes())
+    wait_for_go()  # "stop"
+    for rec in recorders:
+        rec.close()
+    return {"idle": len(recorders)}
+
+
+MODES = {"remote": run_remote, "ray": run_ray, "raw": run_raw, "idle": run_idle}
 
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
-        pool = make_pool(
-            spec.get("pool", 16),
-            length=spec.get("length", 128),
-            num_envs=spec.get("num_envs", 256),
-            seed=spec.get("seed", 0),
-            done_prob=spec.get("done_prob", 1 / 500),
+        pool = (
+            []
+            if spec["mode"] == "idle"
+            else make_pool(
+                spec.get("pool", 16),
+                length=spec.get("length", 128),
+                num_envs=spec.get("num_envs", 256),
+                seed=spec.get("seed", 0),
+                done_prob=spec.get("done_prob", 1 / 500),
+            )
         )
         result = MODES[spec["mode"]](spec, pool)
     except BaseException as exc:  # reported to the parent, which shows the log

@@ -159,8 +159,8 @@ class SessionConfig:
 # Trailing dtype and shape after (T, N) of each stored array key ("action", "state:x", ...).
 Schema = dict[str, tuple[np.dtype, tuple[int, ...]]]
 
-# (shape, dtype) -> a C-contiguous array to decode into.
-Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+# (array key, shape, dtype) -> a C-contiguous array to decode that array into.
+Allocator = Callable[[str, tuple[int, ...], np.dtype], np.ndarray]
 
 
 @dataclass
@@ -175,7 +175,7 @@ class DecodedChunk:
     schema: Schema = field(default_factory=dict)
 
 
-def _fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def _fresh(key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
@@ -231,11 +231,7 @@ def decode_chunk(
     schema: Schema = {}
     for key, enc in arrays.items():
         # Decoding proves the frame is intact before the ack promises anything.
-        out = (
-            _fresh(enc.shape, enc.dtype)
-            if key in ("done", "outcome")
-            else take(enc.shape, enc.dtype)
-        )
+        out = take(key, enc.shape, enc.dtype)
         try:
             enc.decode_into(out, f"chunk.{key}")
         except ValueError as exc:

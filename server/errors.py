@@ -37,6 +37,8 @@ class ErrorKind(enum.Enum):
     """A durability verb on a server started without its write-ahead log."""
     SHUTTING_DOWN = "shutting_down"
     """The server is stopping."""
+    UNAUTHENTICATED = "unauthenticated"
+    """The call did not carry the server's token."""
 
 
 class RequestError(Exception):

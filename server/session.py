@@ -142,8 +142,8 @@ class Session:
         return timeline
 
     def worker(self, worker_id: str) -> WorkerTimeline:
-        with self.lock:
-            timeline = self.workers.get(worker_id)
+        # Workers are only ever added (under the lock); a lookup needs no lock.
+        timeline = self.workers.get(worker_id)
         if timeline is None:
             raise RequestError(
                 ErrorKind.NOT_JOINED,
@@ -206,11 +206,12 @@ class Session:
                 steps_before = self.env_steps
                 self.env_steps += decoded.length * decoded.num_envs
                 # Under the session lock so the feeder sees chunks in apply order.
+                needed = {k: a for k, a in decoded.arrays.items() if self.feeder.needs(k)}
                 self.feeder.submit(
                     ChunkEpisodes(
                         timeline.index,
                         timeline.chunks[-1],
-                        decoded.arrays,
+                        needed,
                         env,
                         start,
                         end,

@@ -359,26 +359,28 @@ def test_chunks_of_several_workers_recorded_together_equal_recording_them_in_tur
 @pytest.mark.parametrize("capacity", [1 << 30, 6000])
 def test_session_recycles_decode_buffers_without_corrupting_stored_episodes(capacity, monkeypatch):
     """Through Session.apply, a chunk's decode buffers go back to the pool once its cell keys
-    and rewards are in the window (the chunk is held as the session keeps it, encoded): one
-    buffer per pooled array serves every chunk. The store still equals recording each episode
-    directly, also when a small capacity makes it evict."""
+    and rewards are in the window (the chunk is held as the session keeps it, encoded), and
+    the arrays nothing reads (actions, other state fields) are decoded into one scratch
+    buffer each: one buffer per array serves every chunk. The store still equals recording
+    each episode directly, also when a small capacity makes it evict."""
     chunks = _chunks(11, 40, 16, 8)
     config = _config(capacity)
-    taken = []
+    taken: dict[str, set[int]] = {}
     session = _session(config)
     take = session.feeder.alloc
 
-    def alloc(shape, dtype):
-        arr = take(shape, dtype)
-        taken.append(arr.__array_interface__["data"][0])
+    def alloc(key, shape, dtype):
+        arr = take(key, shape, dtype)
+        taken.setdefault(key, set()).add(arr.__array_interface__["data"][0])
         return arr
 
     # A spy on the allocator the session decodes with.
     monkeypatch.setattr(session.feeder, "alloc", alloc)
     _session_fed(chunks, config, session=session)
     try:
-        # action, reward and the two state fields (done is decoded apart).
-        assert len(taken) == 4 * len(chunks) and len(set(taken)) <= 4
+        reused = ("action", "reward", "state:player_positions", "state:player_inventory")
+        assert {k: len(taken[k]) for k in reused} == dict.fromkeys(reused, 1)
+        assert [session.feeder.needs(k) for k in reused] == [False, True, True, False]
         a, b = session.processor.store, _reference(chunks, config).store
         assert a.trajectory_ids() == b.trajectory_ids()
         assert a.trajectory_ids()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from recorder_client._wire import STATE_ALIASES
+
 from ..episodes import StoredChunk, WorkerTimeline
 from ..store import EpisodeBatch, EpisodeWindow, TrajectoryCaptureProcessor
 from .buffers import BufferPool
@@ -28,6 +30,26 @@ from .window import Ring
 logger = logging.getLogger(__name__)
 
 
+_local = threading.local()
+# Bytes of scratch buffers one thread keeps.
+_SCRATCH_BYTES = 64 << 20
+
+
+def _scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A buffer of this thread's to decode into and drop: the next call may reuse it."""
+    cache = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = {}
+    key = (np.dtype(dtype).str, tuple(shape))
+    arr = cache.get(key)
+    if arr is None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if sum(a.nbytes for a in cache.values()) + nbytes > _SCRATCH_BYTES:
+            cache.clear()
+        arr = cache[key] = np.empty(shape, dtype=dtype)
+    return arr
+
+
 @dataclass
 class ChunkEpisodes:
     """What the session hands over for one stored chunk."""
@@ -36,8 +58,8 @@ class ChunkEpisodes:
     chunk: StoredChunk
     """The chunk as the session holds it (encoded)."""
     arrays: dict[str, np.ndarray]
-    """Decoded: action, reward, done, state:<name>, outcome. Handed over: with a store the
-    feeder gives the buffers back to the pool once the chunk is keyed."""
+    """Decoded: the arrays the feeder needs (`EpisodeFeeder.needs`). Handed over: with a store
+    the feeder gives the buffers back to the pool once the chunk is keyed."""
     env: np.ndarray
     start: np.ndarray
     end: np.ndarray
@@ -92,13 +114,28 @@ class EpisodeFeeder:
         # The store path decodes into pooled buffers and gives them back once keyed.
         self.buffers = BufferPool() if self.store is not None else None
         self._csum = np.empty((0, 0)) if self.store is not None else None
+        # The decoded arrays the feeder reads: done, reward, outcome and, with a store, the
+        # state fields its cells are keyed on (under either spelling of a renamed field).
+        self._needs = {"done", "reward", "outcome"}
+        if self.store is not None:
+            for spec in self.store.configuration.cell_fields:
+                name = spec.state_field
+                self._needs |= {f"state:{name}", f"state:{STATE_ALIASES.get(name, name)}"}
         self.truncated_episodes = 0
         self._thread = threading.Thread(target=self._run, name=f"feeder-{session}", daemon=True)
         self._thread.start()
 
-    def alloc(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A buffer to decode a chunk's array into."""
-        if self.buffers is None:
+    def needs(self, key: str) -> bool:
+        """Whether the feeder reads a chunk's decoded array ``key`` (the others are decoded
+        only to prove their frames intact)."""
+        return key in self._needs
+
+    def alloc(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A buffer to decode a chunk's array into: pooled for the arrays the store path
+        keys and gives back, scratch (reused by this thread) for those nobody reads."""
+        if key not in self._needs:
+            return _scratch(shape, dtype)
+        if self.buffers is None or key in ("done", "outcome"):
             return np.empty(shape, dtype=dtype)
         return self.buffers.take(shape, dtype)
 

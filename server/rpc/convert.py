@@ -38,6 +38,7 @@ _STATUS = {
     ErrorKind.NO_STORE: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.NO_LOG: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
 }
 assert set(_STATUS) == set(ErrorKind)
 

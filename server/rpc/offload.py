@@ -38,28 +38,42 @@ class Offload:
         """``fn(*args)`` on a pool thread, once a slot is free."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
+        slots = self._slots
         self.waiting += 1
         try:
-            await self._slots.acquire()
+            await slots.acquire()
         finally:
             self.waiting -= 1
         loop = asyncio.get_running_loop()
-        slots = self._slots
-        try:
-            future = self._pool.submit(fn, *args)
-        except BaseException:
-            slots.release()
-            raise
+        future = loop.create_future()
 
-        def free(_: object) -> None:
+        def work() -> None:
             try:
-                loop.call_soon_threadsafe(slots.release)
+                result, error = fn(*args), None
+            except BaseException as exc:
+                result, error = None, exc
+
+            def done() -> None:
+                # The slot is free once the call is done, even when its caller was cancelled.
+                slots.release()
+                if future.cancelled():
+                    return
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+
+            try:
+                loop.call_soon_threadsafe(done)  # one wake-up of the loop per call
             except RuntimeError:  # the loop is closed: the server has stopped
                 pass
 
-        # The slot is free once the call is done, even when its caller was cancelled.
-        future.add_done_callback(free)
-        return await asyncio.wrap_future(future)
+        try:
+            self._pool.submit(work)
+        except BaseException:
+            slots.release()
+            raise
+        return await future
 
     def shutdown(self) -> None:
         """Stop taking work; threads finish what they run (no wait here)."""

@@ -25,6 +25,9 @@ import grpc
 
 from recorder_client._proto import recorder_pb2 as pb
 
+from ..errors import ErrorKind, RequestError
+from .convert import status_of, trailing
+
 logger = logging.getLogger(__name__)
 
 RECORDER_SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Recorder"].full_name
@@ -84,8 +87,11 @@ def token_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> str | Non
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
 
+    code, details, kind = status_of(RequestError(ErrorKind.UNAUTHENTICATED, message))
+
     async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        context.set_trailing_metadata(trailing(kind))
+        await context.abort(code, details)
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -38,6 +38,22 @@ DEFAULT_PART_BYTES = 4 << 20
 _WARM_UP_S = 30.0
 
 
+# Finish parts made per trip to the control pool (small parts come many to a worker).
+_PARTS_PER_HOP = 64
+
+
+def _take_parts(parts: Iterator[pb.FinishPart]) -> tuple[list[pb.FinishPart], bool]:
+    """The next parts (up to _PARTS_PER_HOP or DEFAULT_PART_BYTES of data), and whether
+    more may follow."""
+    batch, size = [], 0
+    for part in parts:
+        batch.append(part)
+        size += part.ByteSize()
+        if len(batch) == _PARTS_PER_HOP or size >= DEFAULT_PART_BYTES:
+            return batch, True
+    return batch, False
+
+
 class RecorderServicer(pb_grpc.RecorderServicer):
     def __init__(
         self,
@@ -59,7 +75,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     # -- helpers ---------------------------------------------------------
     async def _abort(self, context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
         code, message, kind = convert.status_of(error)
-        if code == grpc.StatusCode.INTERNAL:
+        if not isinstance(error, RequestError):
             logger.error("RPC failed", exc_info=error)
         context.set_trailing_metadata(convert.trailing(kind))
         await context.abort(code, message)
@@ -152,13 +168,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 yield convert.finish_part(index, row_start, row_count, flat)
 
     async def Finish(self, request: pb.FinishRequest, context) -> AsyncIterator[pb.FinishPart]:
-        # Each part is gathered and compressed on the control pool, one at a time.
+        # Parts are gathered and compressed on the control pool, a few at a time.
         parts = await self._run(context, self._finish_parts, request)
         while True:
-            part = await self._run(context, next, parts, None)
-            if part is None:
+            batch, more = await self._run(context, _take_parts, parts)
+            for part in batch:
+                yield part
+            if not more:
                 return
-            yield part
 
     def _reset(self, request: pb.ResetRequest) -> pb.ResetReply:
         session = self.sessions.get(request.session)

@@ -1,0 +1,107 @@
+"""The gRPC edge: one function chooses every status an RPC ends with, from a typed error."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from recorder_client import _wire
+from recorder_client._credentials import make_channel
+from recorder_client._proto import recorder_pb2 as pb
+from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+from recorder_server.errors import ErrorKind, RequestError
+from recorder_server.rpc import convert
+
+SERVER = Path(__file__).resolve().parents[1] / "server"
+
+
+def test_every_kind_has_one_status():
+    expected = {
+        ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorKind.SEQUENCE_GAP: grpc.StatusCode.ABORTED,
+        ErrorKind.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
+        ErrorKind.LIMIT: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ErrorKind.STORAGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ErrorKind.NO_DATA: grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    }
+    for kind in ErrorKind:
+        code, message, tag = convert.status_of(RequestError(kind, f"{kind.value}: why"))
+        assert isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK
+        assert message == f"{kind.value}: why" and tag == kind.value
+        if kind in expected:
+            assert code == expected[kind], kind
+    code, message, tag = convert.status_of(KeyError("secret internals"))
+    assert code == grpc.StatusCode.INTERNAL and "secret" not in message and tag == "internal"
+
+
+def _status_sites(path: Path) -> list[int]:
+    """Lines of `path` that name a gRPC status code or end an RPC with abort()."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "StatusCode":
+            lines.append(node.lineno)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "abort":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_status_codes_are_named_in_convert_only():
+    """Outside convert.py the server names no status code: each abort() takes the code that
+    status_of chose (the two aborts: the servicer's and the token check's)."""
+    sites = {}
+    for path in sorted(SERVER.rglob("*.py")):
+        if "cli" in path.parts:  # the health command reads codes it receives
+            continue
+        found = _status_sites(path)
+        if found:
+            sites[str(path.relative_to(SERVER))] = found
+    named = {p for p, lines in sites.items() if p != "rpc/convert.py"}
+    assert named == {"rpc/servicer.py", "rpc/security.py"}, sites
+    for path in named:
+        text = (SERVER / path).read_text()
+        assert text.count(".abort(") == 1 and "StatusCode" not in text, path
+        assert "status_of(" in text
+
+
+def test_a_refusal_reaches_the_client_with_its_status_and_kind(target):
+    with make_channel(target) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.GetStatus(pb.StatusRequest(session="never-joined"), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "never-joined" in caught.value.details()
+        tags = dict(caught.value.trailing_metadata())
+        assert tags[_wire.ERROR_KIND_KEY] == ErrorKind.UNKNOWN_SESSION.value
+        stub.Join(pb.JoinRequest(session="edge", config=pb.SessionConfig(), worker_id="w"))
+        chunk = pb.Chunk(sequence=2)
+        for name, arr in (
+            ("action", np.zeros((2, 2), np.int32)),
+            ("reward", np.zeros((2, 2), np.float32)),
+            ("done", np.zeros((2, 2), bool)),
+        ):
+            codec, data = _wire.encode(arr)
+            getattr(chunk, name).CopyFrom(
+                pb.ArrayData(
+                    dtype=arr.dtype.str,
+                    shape=arr.shape,
+                    raw_size=arr.nbytes,
+                    codec=codec,
+                    data=data,
+                )
+            )
+        opening = pb.RecordRequest(open=pb.RecordOpen(session="edge", worker_id="w"))
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Record(iter([opening, pb.RecordRequest(chunk=chunk)]), timeout=10))
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert "chunk.sequence: expected 1" in caught.value.details()
+        tags = dict(caught.value.trailing_metadata())
+        assert tags[_wire.ERROR_KIND_KEY] == ErrorKind.SEQUENCE_GAP.value
+
+
+def test_wire_codec_values_match_the_proto():
+    assert _wire.CODEC_RAW == pb.CODEC_RAW and _wire.CODEC_ZSTD == pb.CODEC_ZSTD
