@@ -27,7 +27,8 @@ READY_PREFIX = "rollout-recorder listening on "
 
 
 class ServerProcess:
-    """``python -m recorder_server serve ARGS`` as a child; ``address`` is where it listens.
+    """``python -m recorder_server serve ARGS`` as a child (or ``command``, a whole command
+    line that serves, such as an image's); ``address`` is where it listens.
 
     Raises RecorderUnavailableError when the child exits before it listens (with its exit
     status) or does not listen within ``startup_timeout`` seconds.
@@ -35,8 +36,9 @@ class ServerProcess:
 
     def __init__(
         self,
-        args: Sequence[str],
+        args: Sequence[str] = (),
         *,
+        command: Sequence[str] | None = None,
         startup_timeout: float = 60.0,
         exit_with_stdin: bool = False,
         stderr: int | IO | None = None,
@@ -44,7 +46,9 @@ class ServerProcess:
         python: str = sys.executable,
         new_session: bool = False,
     ) -> None:
-        cmd = [python, "-m", "recorder_server", "serve", *args]
+        cmd = list(command) if command is not None else [python, "-m", "recorder_server"]
+        if command is None:
+            cmd += ["serve", *args]
         if exit_with_stdin:
             cmd.append("--exit-with-stdin")
         self.process = subprocess.Popen(

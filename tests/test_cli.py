@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ServerProcess
 
-from recorder_client import RolloutRecorder
+from recorder_client import RolloutRecorder, _launch
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -32,29 +32,13 @@ def test_serve_prints_address_and_stops_on_signal(tmp_path, sig):
 
 def test_serve_on_unix_socket(tmp_path):
     sock = tmp_path / "r.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "recorder_server",
-            "serve",
-            "--listen",
-            f"unix:{sock}",
-            "--data-dir",
-            str(tmp_path / "d"),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    server = _launch.ServerProcess(["--listen", f"unix:{sock}", "--data-dir", str(tmp_path / "d")])
     try:
-        line = proc.stdout.readline().strip()
-        assert line == f"rollout-recorder listening on unix:{sock}"
+        assert server.address == f"unix:{sock}"
         with RolloutRecorder(target=f"unix:{sock}") as rec:
             assert rec.status().session == "default"
     finally:
-        proc.terminate()
-        assert proc.wait(20) == 0
-        proc.stdout.close()
+        assert server.stop() == 0
 
 
 def test_serve_reports_a_busy_port(tmp_path, server_process):

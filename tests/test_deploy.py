@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +29,7 @@ import yaml
 
 from recorder_client import AuthenticationError, RolloutRecorder
 from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
+from recorder_client._launch import ServerProcess
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
@@ -38,7 +37,6 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
 SCHEMA = Path(__file__).resolve().parent / "compose" / "compose-spec.json"
-READY = "rollout-recorder listening on "
 SECRET_DIR = "/run/secrets/"
 TRAINERS = ("trainer-0", "trainer-1")
 SpecValidator = jsonschema.Draft201909Validator
@@ -115,33 +113,6 @@ def local_env(service: dict, replace: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def read_ready_line(process: subprocess.Popen, timeout: float = 30.0) -> str:
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 0.2)
-        if ready:
-            line = process.stdout.readline()
-            if line.startswith(READY):
-                return line[len(READY) :].strip()
-            if not line:
-                break
-    raise AssertionError(f"the server did not print {READY!r} (exit status {process.poll()})")
-
-
-def stop(process: subprocess.Popen) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
-    return process.returncode
-
-
 def wait_healthy(test: list[str], replace: dict[str, str], env: dict[str, str]) -> str:
     """Run a compose/Docker healthcheck command until it passes, as Docker would."""
     assert test[0] in ("CMD", "CMD-SHELL") and test[0] == "CMD", test
@@ -168,14 +139,11 @@ def test_compose_services_run_as_local_processes(compose, tmp_path):
     }
 
     recorder = services["recorder"]
-    server = subprocess.Popen(
-        local_argv(recorder["command"], replace),
-        env=local_env(recorder, replace),
-        stdout=subprocess.PIPE,
-        text=True,
+    server = ServerProcess(
+        command=local_argv(recorder["command"], replace), env=local_env(recorder, replace)
     )
     try:
-        address = read_ready_line(server)
+        address = server.address
         replace["127.0.0.1:50051"] = address  # the healthcheck's target
         replace["recorder:50051"] = address  # the trainers' ROLLOUT_RECORDER_TARGET
         assert "SERVING" in wait_healthy(
@@ -219,7 +187,7 @@ def test_compose_services_run_as_local_processes(compose, tmp_path):
         assert set(traj.worker_ids) >= set(TRAINERS)
         assert set(traj.episode_worker.tolist()) == {0, 1}
     finally:
-        assert stop(server) == 0
+        assert server.stop() == 0
 
 
 # -- Dockerfile ------------------------------------------------------------------------
@@ -386,9 +354,9 @@ def test_dockerfile_install_step_in_a_fresh_venv(dockerfile, tmp_path):
     argv[argv.index("0.0.0.0:50051")] = "127.0.0.1:0"
     argv[argv.index("/data")] = str(tmp_path / "data")
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
-    server = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    server = ServerProcess(command=argv, env=env)
     try:
-        address = read_ready_line(server)
+        address = server.address
         health = next(i.args for i in dockerfile if i.keyword == "HEALTHCHECK")
         check = exec_form(health[health.index("CMD") + 3 :].strip())
         check = [cli, *(address if a == "127.0.0.1:50051" else a for a in check[1:])]
@@ -396,4 +364,4 @@ def test_dockerfile_install_step_in_a_fresh_venv(dockerfile, tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.startswith("SERVING")
     finally:
-        assert stop(server) == 0
+        assert server.stop() == 0

@@ -38,18 +38,20 @@ DEFAULT_PART_BYTES = 4 << 20
 _WARM_UP_S = 30.0
 
 
-# Finish parts made per trip to the control pool (small parts come many to a worker).
+# Finish parts made per trip to the control pool: small parts (a few episodes of many
+# workers) go together, up to this many or this many raw bytes, so that the client can
+# decode one batch while the next is made.
 _PARTS_PER_HOP = 64
+_RAW_PER_HOP = 1 << 20
 
 
 def _take_parts(parts: Iterator[pb.FinishPart]) -> tuple[list[pb.FinishPart], bool]:
-    """The next parts (up to _PARTS_PER_HOP or DEFAULT_PART_BYTES of data), and whether
-    more may follow."""
-    batch, size = [], 0
+    """The next parts (the header alone), and whether more may follow."""
+    batch, raw = [], 0
     for part in parts:
         batch.append(part)
-        size += part.ByteSize()
-        if len(batch) == _PARTS_PER_HOP or size >= DEFAULT_PART_BYTES:
+        raw += part.array.array.raw_size
+        if part.HasField("header") or len(batch) == _PARTS_PER_HOP or raw >= _RAW_PER_HOP:
             return batch, True
     return batch, False
 
@@ -168,14 +170,24 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 yield convert.finish_part(index, row_start, row_count, flat)
 
     async def Finish(self, request: pb.FinishRequest, context) -> AsyncIterator[pb.FinishPart]:
-        # Parts are gathered and compressed on the control pool, a few at a time.
+        # Parts are gathered and compressed on the control pool, the next batch while this
+        # one is sent.
         parts = await self._run(context, self._finish_parts, request)
-        while True:
-            batch, more = await self._run(context, _take_parts, parts)
-            for part in batch:
-                yield part
-            if not more:
-                return
+        pending = asyncio.ensure_future(self.control.run(_take_parts, parts))
+        try:
+            while True:
+                try:
+                    batch, more = await pending
+                except Exception as exc:
+                    await self._abort(context, exc)
+                if more:
+                    pending = asyncio.ensure_future(self.control.run(_take_parts, parts))
+                for part in batch:
+                    yield part
+                if not more:
+                    return
+        finally:
+            pending.cancel()
 
     def _reset(self, request: pb.ResetRequest) -> pb.ResetReply:
         session = self.sessions.get(request.session)
