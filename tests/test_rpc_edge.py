@@ -105,3 +105,49 @@ def test_a_refusal_reaches_the_client_with_its_status_and_kind(target):
 
 def test_wire_codec_values_match_the_proto():
     assert _wire.CODEC_RAW == pb.CODEC_RAW and _wire.CODEC_ZSTD == pb.CODEC_ZSTD
+
+
+def test_the_offload_pool_bounds_the_calls_in_flight():
+    """At most `threads` calls run and `threads + queue` are taken at once; the rest wait on
+    the loop (a coroutine each). A cancelled caller's slot comes back when its call ends."""
+    import asyncio
+    import threading
+
+    from recorder_server.rpc.offload import Offload
+
+    pool = Offload(2, 1, "test")
+    running, taken, peak = 0, 0, {"running": 0}
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def work(i: int) -> int:
+        nonlocal running
+        with lock:
+            running += 1
+            peak["running"] = max(peak["running"], running)
+        gate.wait(10)
+        with lock:
+            running -= 1
+        return i
+
+    async def call(i: int) -> int:
+        nonlocal taken
+        result = await pool.run(work, i)
+        taken += 1
+        return result
+
+    async def main() -> list[int]:
+        tasks = [asyncio.ensure_future(call(i)) for i in range(10)]
+        await asyncio.sleep(0.2)
+        assert peak["running"] == 2 and taken == 0
+        assert pool.in_flight == 3  # 2 running, 1 queued: the other 7 callers wait
+        tasks[0].cancel()  # its call still runs to the end, then frees the slot
+        gate.set()
+        done = await asyncio.gather(*tasks[1:])
+        return done
+
+    try:
+        assert asyncio.run(main()) == list(range(1, 10))
+        assert peak["running"] == 2
+    finally:
+        pool.shutdown()

@@ -34,18 +34,16 @@ class Offload:
         self.capacity = threads + queue
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._slots: asyncio.Semaphore | None = None
-        self.waiting = 0
+        self.in_flight = 0
+        """Calls taken (running or queued for a thread); at most `capacity`."""
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a pool thread, once a slot is free."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
         slots = self._slots
-        self.waiting += 1
-        try:
-            await slots.acquire()
-        finally:
-            self.waiting -= 1
+        await slots.acquire()
+        self.in_flight += 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -57,6 +55,7 @@ class Offload:
 
             def done() -> None:
                 # The slot is free once the call is done, even when its caller was cancelled.
+                self.in_flight -= 1
                 slots.release()
                 if future.cancelled():
                     return
@@ -73,6 +72,7 @@ class Offload:
         try:
             self._pool.submit(work)
         except BaseException:
+            self.in_flight -= 1
             slots.release()
             raise
         return await future
