@@ -122,7 +122,26 @@ def machine_window(before: dict[str, Any], after: dict[str, Any], wall_s: float)
     return out
 
 
-class Child:
+class Watched:
+    """A child process with a log file: its log's tail, peak memory and CPU time."""
+
+    log_path: Path
+    pid: int
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text()[-chars:]
+        except OSError:
+            return ""
+
+    def status(self) -> dict[str, int]:
+        return proc_status(self.pid)
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.pid)
+
+
+class Child(Watched):
     """A subprocess whose stdout lines arrive in a queue."""
 
     def __init__(self, argv: list[str], *, log_path: Path, env: dict[str, str] | None = None):
@@ -182,18 +201,6 @@ class Child:
         self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
 
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text()[-chars:]
-        except OSError:
-            return ""
-
-    def status(self) -> dict[str, int]:
-        return proc_status(self.pid)
-
-    def cpu_s(self) -> float:
-        return proc_cpu_s(self.pid)
-
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -236,7 +243,7 @@ def extract_code(rev: str, dest: Path) -> tuple[Path, str]:
     return pkgs, sha
 
 
-class RecorderServer(ServerProcess):
+class RecorderServer(ServerProcess, Watched):
     """`rollout-recorder serve --listen 127.0.0.1:0` plus any extra flags, its stderr in a log
     (started and waited for by the project's one launcher)."""
 
@@ -257,18 +264,6 @@ class RecorderServer(ServerProcess):
         except RecorderUnavailableError as exc:
             self._log.close()
             raise RuntimeError(f"{exc}: {self.log_tail()}") from None
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text()[-chars:]
-        except OSError:
-            return ""
-
-    def status(self) -> dict[str, int]:
-        return proc_status(self.pid)
-
-    def cpu_s(self) -> float:
-        return proc_cpu_s(self.pid)
 
     def stop(self, timeout: float = 20.0) -> int:
         try:

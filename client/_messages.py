@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -11,6 +12,9 @@ from . import _wire
 from ._proto import recorder_pb2 as pb
 from .capture_types import CheckpointFile
 from .status import SessionStatus, WorkerStatus
+
+# WorkerStatus has the message's fields, under the same names.
+_WORKER_FIELDS = dataclasses.fields(WorkerStatus)
 
 
 def array_to_proto(arr: np.ndarray, level: int = _wire.DEFAULT_LEVEL) -> pb.ArrayData:
@@ -92,18 +96,7 @@ def session_status(msg: pb.StatusReply) -> SessionStatus:
         record_states=config.record_states,
         state_fields=tuple(config.state_fields),
         workers=tuple(
-            WorkerStatus(
-                worker_id=w.worker_id,
-                worker_index=w.worker_index,
-                num_envs=w.num_envs,
-                last_sequence=w.last_sequence,
-                chunks_stored=w.chunks_stored,
-                chunks_dropped=w.chunks_dropped,
-                steps=w.steps,
-                episodes_finished=w.episodes_finished,
-                raw_bytes=w.raw_bytes,
-                wire_bytes=w.wire_bytes,
-            )
+            WorkerStatus(**{f.name: getattr(w, f.name) for f in _WORKER_FIELDS})
             for w in msg.workers
         ),
     )

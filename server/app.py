@@ -130,6 +130,8 @@ class RunningServer:
                 self.metrics.close()
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 self._thread.join(timeout=10)
+                if not self._thread.is_alive():
+                    self._loop.close()
 
     async def _stop_serving(self, grace: float | None) -> None:
         if self.health is not None:
@@ -187,6 +189,8 @@ def start_server(options: ServerOptions) -> RunningServer:
         if thread.is_alive():
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()
         raise
     return RunningServer(
         loop,

@@ -167,30 +167,42 @@ class Assembly:
     per_worker: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
     def field_parts(self, spec: FieldOut, part_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(first row, row count, real steps of those rows joined episode by episode).
+        """(first row, row count, real steps of those rows joined episode by episode), parts
+        of at most part_bytes (at least one row); rows of several workers share a part.
 
-        Only real steps travel: the receiver writes them into zeros (the padding)
-        with one boolean-mask assignment per part.
+        Only real steps travel: the receiver writes them into zeros (the padding).
         """
         step_bytes = max(1, int(np.prod(spec.trailing, dtype=np.int64)) * spec.dtype.itemsize)
+        pieces: list[np.ndarray] = []
+        first = count = size = 0
         for chunks, rows, env, start, end in self.per_worker:
             if rows.size == 0:
                 continue
             src = field_array(chunks, spec.key, int(end.max()))
             lengths = end - start
-            # Cut the worker's rows into parts of at most part_bytes (at least one row).
             cum = np.cumsum(lengths) * step_bytes
             lo = 0
             while lo < rows.size:
-                base = cum[lo - 1] if lo else 0
-                hi = int(np.searchsorted(cum, base + part_bytes, side="right"))
+                base = int(cum[lo - 1]) if lo else 0
+                hi = int(np.searchsorted(cum, base + part_bytes - size, side="right"))
+                if hi <= lo and pieces:  # this row does not fit beside the others
+                    yield first, count, _joined(pieces)
+                    pieces, count, size = [], 0, 0
+                    continue
                 hi = max(hi, lo + 1)
-                yield (
-                    int(rows[lo]),
-                    hi - lo,
-                    self._gather(src, env[lo:hi], start[lo:hi], lengths[lo:hi], spec.dtype),
+                if not pieces:
+                    first = int(rows[lo])
+                pieces.append(
+                    self._gather(src, env[lo:hi], start[lo:hi], lengths[lo:hi], spec.dtype)
                 )
+                count += hi - lo
+                size += int(cum[hi - 1]) - base
                 lo = hi
+                if size >= part_bytes:
+                    yield first, count, _joined(pieces)
+                    pieces, count, size = [], 0, 0
+        if pieces:
+            yield first, count, _joined(pieces)
 
     @staticmethod
     def _gather(
@@ -204,6 +216,10 @@ class Assembly:
         # The cast (rewards -> float32) is the one assignment into the padded array does.
         with np.errstate(over="ignore", invalid="ignore"):
             return flat.astype(dtype, copy=False)
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 class NoEpisodesError(ValueError):

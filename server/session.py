@@ -29,6 +29,17 @@ SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 Journal = Callable[[list], None]
 
 
+def append(journal: Journal, record: list) -> None:
+    """Append a record to the log, or refuse the request that made it (STORAGE)."""
+    try:
+        journal(record)
+    except OSError as exc:
+        raise RequestError(
+            ErrorKind.STORAGE,
+            f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
+        ) from None
+
+
 class Applied(enum.Enum):
     """What a session did with a chunk."""
 
@@ -378,13 +389,7 @@ class Session:
             raise invalid(f"store checkpoint: {exc}") from None
 
     def _journal(self, record: list) -> None:
-        try:
-            self.journal(record)
-        except OSError as exc:
-            raise RequestError(
-                ErrorKind.STORAGE,
-                f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
-            ) from None
+        append(self.journal, record)
 
     def worker_lags(self, now: float) -> dict[str, float]:
         with self.lock:

@@ -14,7 +14,7 @@ from typing import Any
 from .chunks import SessionConfig
 from .durability import records, snapshot
 from .errors import ErrorKind, RequestError
-from .session import Journal, Session, check_session_name
+from .session import Journal, Session, append, check_session_name
 
 logger = logging.getLogger(__name__)
 
@@ -51,15 +51,6 @@ class Sessions:
             journal=self.journal,
         )
 
-    def _log(self, record: list) -> None:
-        try:
-            self.journal(record)
-        except OSError as exc:
-            raise RequestError(
-                ErrorKind.STORAGE,
-                f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
-            ) from None
-
     def join(
         self, name: str, config: SessionConfig, worker_id: str, *, log: bool = True
     ) -> Session:
@@ -78,7 +69,7 @@ class Sessions:
                 try:
                     session.check_join(worker_id, config)
                     if log and self.journal is not None:
-                        self._log(records.join(name, worker_id, config))
+                        append(self.journal, records.join(name, worker_id, config))
                 except BaseException:
                     session.close()
                     raise
@@ -87,7 +78,7 @@ class Sessions:
             elif worker_id not in session.workers:
                 session.check_join(worker_id, config)
                 if log and self.journal is not None:
-                    self._log(records.join(name, worker_id, config))
+                    append(self.journal, records.join(name, worker_id, config))
             session.join(worker_id, config)
             return session
 

@@ -330,3 +330,35 @@ def test_the_registry_refuses_bad_names_and_too_many_sessions():
         assert caught.value.kind == ErrorKind.UNKNOWN_SESSION
     finally:
         sessions.close()
+
+
+@pytest.mark.parametrize("part_bytes", [1, 12, 40, 1 << 20])
+def test_finish_parts_cover_every_row_once_across_workers(part_bytes):
+    """Parts hold consecutive rows, several workers' rows when they fit, at most part_bytes
+    (or one row), and together every real step once, in row order."""
+    session = _session()
+    try:
+        expected = []
+        for w, (n, at) in enumerate([(3, [(1, 0), (2, 2)]), (1, [(0, 0)]), (2, [(2, 1)])]):
+            name = f"w{w}"
+            session.join(name, session.config)
+            chunk = _simple(1, 4, n, at, first=100 * w)
+            session.apply(name, chunk)
+        plan = session.assemble(True)
+        actions = next(f for f in plan.fields if f.name == "actions")
+        # Every episode's actions, row by row (action of env e at step t: base + n * t + e).
+        for w, e, s, n in zip(
+            plan.workers.tolist(), plan.envs.tolist(), plan.starts.tolist(), plan.lengths.tolist()
+        ):
+            width = (3, 1, 2)[w]
+            expected += [100 * w + width * t + e for t in range(s, s + n)]
+        parts = list(plan.field_parts(actions, part_bytes))
+        rows = [r for first, count, _ in parts for r in range(first, first + count)]
+        assert rows == list(range(plan.num_episodes))
+        assert np.concatenate([flat for _, _, flat in parts]).tolist() == expected
+        for first, count, flat in parts:
+            assert flat.nbytes <= part_bytes or count == 1
+        if part_bytes == 1 << 20:
+            assert len(parts) == 1  # three workers' rows in one part
+    finally:
+        session.close()

@@ -73,6 +73,8 @@ def durable(tmp_path):
     for server in servers:
         if server.process is not None and server.process.alive():
             server.process.kill()
+        if server.process is not None:
+            server.log.close()
 
 
 WORKER = textwrap.dedent(

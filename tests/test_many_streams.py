@@ -149,6 +149,8 @@ def test_a_thousand_open_streams_and_finish_answers_at_once(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            proc.stdin.close()
+            proc.stdout.close()
         server.stop()
     print(
         f"{len(workers)} open streams: finish {finish_s:.3f}s, status {status_s:.3f}s, "

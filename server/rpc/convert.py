@@ -6,6 +6,7 @@ anything is allocated or decompressed); everything after that is the core's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator
@@ -156,21 +157,7 @@ def status_to_proto(status: SessionStatus, config: SessionConfig) -> pb.StatusRe
         chunks_dropped=status.chunks_dropped,
         raw_bytes=status.raw_bytes,
         wire_bytes=status.wire_bytes,
-        workers=[
-            pb.WorkerStatus(
-                worker_id=w.worker_id,
-                worker_index=w.worker_index,
-                num_envs=w.num_envs,
-                last_sequence=w.last_sequence,
-                chunks_stored=w.chunks_stored,
-                chunks_dropped=w.chunks_dropped,
-                steps=w.steps,
-                episodes_finished=w.episodes_finished,
-                raw_bytes=w.raw_bytes,
-                wire_bytes=w.wire_bytes,
-            )
-            for w in status.workers
-        ],
+        workers=[pb.WorkerStatus(**dataclasses.asdict(w)) for w in status.workers],
     )
 
 
