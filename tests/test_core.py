@@ -356,7 +356,7 @@ def test_finish_parts_cover_every_row_once_across_workers(part_bytes):
         rows = [r for first, count, _ in parts for r in range(first, first + count)]
         assert rows == list(range(plan.num_episodes))
         assert np.concatenate([flat for _, _, flat in parts]).tolist() == expected
-        for first, count, flat in parts:
+        for _, count, flat in parts:
             assert flat.nbytes <= part_bytes or count == 1
         if part_bytes == 1 << 20:
             assert len(parts) == 1  # three workers' rows in one part
