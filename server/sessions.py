@@ -136,7 +136,7 @@ class Sessions:
         try:
             record = records.decode(data)
         except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("log record not replayed: unreadable (%s)", exc)
+            logger.error("log record not replayed: unreadable (%s)", exc)
             return
         try:
             if record.kind == records.JOIN:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -58,3 +60,23 @@ def test_serve_reports_a_busy_port(tmp_path, server_process):
         timeout=30,
     )
     assert out.returncode == 2 and "cannot listen" in out.stderr
+
+
+def test_serve_refuses_a_log_of_another_format_and_says_so(tmp_path):
+    """A data directory whose log another version wrote is not replayed record by record
+    (which would drop what it cannot read): the server refuses to start, naming why."""
+    wal_dir = tmp_path / "data" / "wal"
+    wal_dir.mkdir(parents=True)
+    # The documented segment header, with format version 1.
+    head = b"RRWALSEG" + struct.pack("<HHQ", 1, 0, 0)
+    (wal_dir / "wal-0000000000000000.log").write_bytes(head + struct.pack("<I", zlib.crc32(head)))
+    out = subprocess.run(
+        [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
+        + ["--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "segment format version 1 is not supported" in out.stderr
+    assert "another version of rollout-recorder" in out.stderr

@@ -16,6 +16,7 @@ import threading
 
 from ..app import DEFAULT_LISTEN, ServerOptions, start_server
 from ..durability import DurabilityOptions
+from ..durability.wal import WALError
 from ..metrics import MetricsConfig, WriteGate
 from ..sessions import ServiceLimits
 
@@ -69,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     try:
         running = start_server(options)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, WALError) as exc:
         print(f"rollout-recorder: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()

@@ -155,7 +155,10 @@ def session_config(meta: dict[str, Any]) -> SessionConfig:
     """The configuration a state was saved with (checked)."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise SnapshotError(f"state: expected format {FORMAT!r}, got {got!r}")
+        raise SnapshotError(
+            f"state: expected format {FORMAT!r}, got {got!r} (written by another version of "
+            "rollout-recorder?)"
+        )
     try:
         return SessionConfig.from_dict(meta.get("config"))
     except RequestError as exc:

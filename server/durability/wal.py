@@ -5,7 +5,7 @@ On-disk layout (all integers little-endian)
 A log is one directory holding segment files ``wal-{first_index:016d}.log`` and a lock
 file ``wal.lock``.  Each segment starts with a 24-byte segment header::
 
-    magic b"RRWALSEG" (8) | version uint16 = 1 | flags uint16 = 0 | first_index uint64
+    magic b"RRWALSEG" (8) | version uint16 = 2 | flags uint16 = 0 | first_index uint64
     | crc32 of the preceding 20 bytes (uint32)
 
 followed by records, each a 24-byte record header and the body::
@@ -97,7 +97,8 @@ DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 MAX_RECORD_BYTES = 0xFFFF_FFFF
 
 SEGMENT_MAGIC = b"RRWALSEG"
-SEGMENT_VERSION = 1
+# 2: record bodies are durability/records.py's (1 held protobuf messages).
+SEGMENT_VERSION = 2
 RECORD_MARKER = b"RRWL"
 _SEG = struct.Struct("<8sHHQI")
 _REC = struct.Struct("<4sIQII")
@@ -206,7 +207,8 @@ def _scan_segment(path: Path, first_index: int, is_last: bool) -> _Scan:
         if version != SEGMENT_VERSION:
             raise WALFormatError(
                 f"{path}: segment format version {version} is not supported "
-                f"(this code reads version {SEGMENT_VERSION})"
+                f"(this code reads version {SEGMENT_VERSION}; a log written by another version "
+                "of rollout-recorder: recover it with that version, or move it away)"
             )
         if seg_first != first_index:
             return bad(0, first_index, 0, f"segment header says first index {seg_first}", False)
