@@ -1,4 +1,5 @@
-"""Protobuf messages <-> the client's numpy arrays and dataclasses (users never see protobuf)."""
+"""Protobuf messages <-> numpy arrays and dataclasses: the protobuf side of `_wire`'s rules,
+shared by the client and the server's gRPC edge (users never see protobuf)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from ._proto import recorder_pb2 as pb
 from .capture_types import CheckpointFile
 from .status import SessionStatus, WorkerStatus
 
-# WorkerStatus has the message's fields, under the same names.
 _WORKER_FIELDS = dataclasses.fields(WorkerStatus)
 
 
@@ -81,17 +81,23 @@ def join_parts(parts: Iterable[pb.FilePart]) -> CheckpointFile | None:
     return CheckpointFile(name=first.name, size=len(data), sha256=first.sha256, data=data)
 
 
+# SessionStatus's counters and WorkerStatus's fields have the messages' names.
+_COUNTERS = (
+    "is_full",
+    "num_recorded_steps",
+    "episodes_finished",
+    "chunks_stored",
+    "chunks_dropped",
+    "raw_bytes",
+    "wire_bytes",
+)
+
+
 def session_status(msg: pb.StatusReply) -> SessionStatus:
     config = msg.config
     return SessionStatus(
         session=msg.session,
-        is_full=msg.is_full,
-        num_recorded_steps=msg.num_recorded_steps,
-        episodes_finished=msg.episodes_finished,
-        chunks_stored=msg.chunks_stored,
-        chunks_dropped=msg.chunks_dropped,
-        raw_bytes=msg.raw_bytes,
-        wire_bytes=msg.wire_bytes,
+        **{name: getattr(msg, name) for name in _COUNTERS},
         max_episodes=config.max_episodes if config.HasField("max_episodes") else None,
         record_states=config.record_states,
         state_fields=tuple(config.state_fields),
@@ -99,4 +105,21 @@ def session_status(msg: pb.StatusReply) -> SessionStatus:
             WorkerStatus(**{f.name: getattr(w, f.name) for f in _WORKER_FIELDS})
             for w in msg.workers
         ),
+    )
+
+
+def status_to_proto(status: SessionStatus, capture_config_json: str) -> pb.StatusReply:
+    """The inverse of session_status, given the session's capture configuration as JSON."""
+    config = pb.SessionConfig(
+        record_states=status.record_states,
+        state_fields=status.state_fields,
+        capture_config_json=capture_config_json,
+    )
+    if status.max_episodes is not None:
+        config.max_episodes = status.max_episodes
+    return pb.StatusReply(
+        session=status.session,
+        config=config,
+        **{name: getattr(status, name) for name in _COUNTERS},
+        workers=[pb.WorkerStatus(**dataclasses.asdict(w)) for w in status.workers],
     )

@@ -1,20 +1,19 @@
 """Protobuf messages <-> the core's types, and refusals -> gRPC status, in one place.
 
 Received arrays become `EncodedArray`s whose headers are checked here (sizes first, before
-anything is allocated or decompressed); everything after that is the core's.
+anything is allocated or decompressed); everything after that is the core's. Messages the
+client reads too are built by `recorder_client._messages`, the one home of both sides.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
 
-from recorder_client import _wire
+from recorder_client import _messages, _wire
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client.status import SessionStatus
 
@@ -134,50 +133,13 @@ def ack(sequence: int, applied: Applied | RequestError, is_full: bool, steps: in
     return reply
 
 
-def config_to_proto(status: SessionStatus, capture_json: str) -> pb.SessionConfig:
-    msg = pb.SessionConfig(
-        record_states=status.record_states,
-        state_fields=status.state_fields,
-        capture_config_json=capture_json,
-    )
-    if status.max_episodes is not None:
-        msg.max_episodes = status.max_episodes
-    return msg
-
-
 def status_to_proto(status: SessionStatus, config: SessionConfig) -> pb.StatusReply:
     capture = "" if config.capture is None else json.dumps(config.capture.to_dict(), sort_keys=True)
-    return pb.StatusReply(
-        session=status.session,
-        config=config_to_proto(status, capture),
-        is_full=status.is_full,
-        num_recorded_steps=status.num_recorded_steps,
-        episodes_finished=status.episodes_finished,
-        chunks_stored=status.chunks_stored,
-        chunks_dropped=status.chunks_dropped,
-        raw_bytes=status.raw_bytes,
-        wire_bytes=status.wire_bytes,
-        workers=[pb.WorkerStatus(**dataclasses.asdict(w)) for w in status.workers],
-    )
-
-
-def encode_array(arr: np.ndarray) -> pb.ArrayData:
-    arr = np.ascontiguousarray(arr)
-    codec, data = _wire.encode(arr)
-    return pb.ArrayData(
-        dtype=arr.dtype.str, shape=arr.shape, raw_size=arr.nbytes, codec=codec, data=data
-    )
+    return _messages.status_to_proto(status, capture)
 
 
 def episode_to_proto(episode: EpisodeArrays) -> pb.EpisodeArrays:
-    return pb.EpisodeArrays(
-        actions=encode_array(np.asarray(episode.actions)),
-        rewards=encode_array(np.asarray(episode.rewards)),
-        states=[
-            pb.NamedArray(name=k, array=encode_array(np.asarray(v)))
-            for k, v in episode.states.items()
-        ],
-    )
+    return _messages.episode_to_proto(episode.actions, episode.rewards, episode.states)
 
 
 def finish_header(plan: Assembly, worker_ids: list[str]) -> pb.FinishPart:
@@ -200,18 +162,15 @@ def finish_header(plan: Assembly, worker_ids: list[str]) -> pb.FinishPart:
 def finish_part(field: int, row_start: int, row_count: int, flat: np.ndarray) -> pb.FinishPart:
     return pb.FinishPart(
         array=pb.ArrayPart(
-            field=field, row_start=row_start, row_count=row_count, array=encode_array(flat)
+            field=field,
+            row_start=row_start,
+            row_count=row_count,
+            array=_messages.array_to_proto(flat),
         )
     )
 
 
-def file_parts(session: str, name: str, data: bytes) -> Iterator[pb.FilePart]:
-    pieces = _wire.file_pieces(data)
-    yield pb.FilePart(
-        session=session, name=name, size=len(data), sha256=_wire.digest(data), data=next(pieces)
-    )
-    for piece in pieces:
-        yield pb.FilePart(data=piece)
+file_parts = _messages.file_parts
 
 
 def empty_file(session: str) -> pb.FilePart:
