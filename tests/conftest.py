@@ -10,9 +10,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from recorder_client import _launch
+from recorder_client import _launch, _wire
+from recorder_server.chunks import Chunk, encoded_array
 
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
@@ -82,6 +84,18 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A real 1 MiB filesystem to fill up."""
     with mounted_tmpfs(tmp_path / "small", "1m") as mount_point:
         yield mount_point
+
+
+def core_chunk(sequence: int, arrays: dict) -> Chunk:
+    """A chunk as the gRPC edge hands it to a session (headers checked, bytes encoded)."""
+    encoded = {}
+    for key, arr in arrays.items():
+        arr = np.ascontiguousarray(arr)
+        codec, data = _wire.encode(arr)
+        encoded[key] = encoded_array(
+            arr.dtype.str, arr.shape, arr.nbytes, codec, data, key, 1 << 40
+        )
+    return Chunk(sequence, encoded)
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import core_chunk
 
-from recorder_client import _wire
-from recorder_server.chunks import Chunk, SessionConfig, encoded_array
+from recorder_server.chunks import Chunk, SessionConfig
 from recorder_server.durability import records
 from recorder_server.episodes import NO_DATA_MESSAGE, NO_EPISODES_MESSAGE, WorkerTimeline
 from recorder_server.errors import ErrorKind, RequestError
@@ -40,15 +40,7 @@ CORE = [
 
 def _chunk(sequence: int, action, reward, done, **states) -> Chunk:
     arrays = {"action": action, "reward": reward, "done": done}
-    arrays.update({f"state:{k}": v for k, v in states.items()})
-    encoded = {}
-    for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        codec, data = _wire.encode(arr)
-        encoded[key] = encoded_array(
-            arr.dtype.str, arr.shape, arr.nbytes, codec, data, key, 1 << 30
-        )
-    return Chunk(sequence, encoded)
+    return core_chunk(sequence, {**arrays, **{f"state:{k}": v for k, v in states.items()}})
 
 
 def _dones(length: int, n: int, at: list[tuple[int, int]]) -> np.ndarray:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import core_chunk
 
-from recorder_client import _wire
 from recorder_client.capture_types import (
     CellField,
     EpisodeOutcome,
@@ -20,7 +20,7 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_server.chunks import Chunk, SessionConfig, encoded_array
+from recorder_server.chunks import SessionConfig
 from recorder_server.durability import snapshot
 from recorder_server.episodes import WorkerTimeline
 from recorder_server.ingest import ChunkEpisodes, EpisodeFeeder
@@ -169,18 +169,6 @@ def _assert_same_checkpoints(a, b, chosen: int = 0) -> None:
             np.testing.assert_array_equal(value, other, err_msg=name)
 
 
-def _core_chunk(sequence: int, arrays: dict[str, np.ndarray]) -> Chunk:
-    """A chunk as the gRPC edge hands it to a session (headers checked, bytes encoded)."""
-    encoded = {}
-    for key, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        codec, data = _wire.encode(arr)
-        encoded[key] = encoded_array(
-            arr.dtype.str, arr.shape, arr.nbytes, codec, data, key, 1 << 40
-        )
-    return Chunk(sequence, encoded)
-
-
 def _session(config, workers=("w",)) -> Session:
     session = Session("s", SessionConfig(None, True, _FIELDS, config), NullMetrics())
     for worker in workers:
@@ -193,7 +181,7 @@ def _session_fed(chunks, config, session=None, first=1) -> Session:
     after each, so that every chunk finds the buffers the last one gave back)."""
     session = session or _session(config)
     for i, (_, arrays, _, _, _) in enumerate(chunks):
-        session.apply("w", _core_chunk(first + i, arrays), log=False)
+        session.apply("w", core_chunk(first + i, arrays), log=False)
         assert session.drain(30)
     return session
 
@@ -218,7 +206,7 @@ def _items(streams, order):
     for w, c in order:
         t0, arrays, _, _, _ = streams[w][c]
         timeline = timelines.setdefault(w, WorkerTimeline(f"w{w}", w))
-        stored = _core_chunk(c + 1, {k: v for k, v in arrays.items() if k != "done"})
+        stored = core_chunk(c + 1, {k: v for k, v in arrays.items() if k != "done"})
         env, start, end = timeline.add_chunk(arrays["done"], stored.arrays, stored.wire_bytes)
         assert timeline.chunks[-1].t0 == t0
         items.append(
@@ -488,13 +476,13 @@ def test_an_outcome_carries_to_the_chunk_that_ends_its_episode():
     codes[1, 1] = int(EpisodeOutcome.LOSS)
     done[3, 1] = True  # env 1: ends here, a loss
     first = {"action": np.zeros((4, 3), np.int32), "reward": np.ones((4, 3), np.float32)}
-    session.apply("w", _core_chunk(1, {**first, "done": done, "outcome": codes}), log=False)
+    session.apply("w", core_chunk(1, {**first, "done": done, "outcome": codes}), log=False)
     done2 = np.zeros((4, 3), bool)
     done2[1, 0] = done2[2, 2] = True  # env 0 ends (the win), env 2 ends (no code: unknown)
-    session.apply("w", _core_chunk(2, {**first, "done": done2}), log=False)
+    session.apply("w", core_chunk(2, {**first, "done": done2}), log=False)
     session.apply(
         "w",
-        _core_chunk(3, {**first, "done": done2, "outcome": np.zeros((4, 3), np.int8)}),
+        core_chunk(3, {**first, "done": done2, "outcome": np.zeros((4, 3), np.int8)}),
         log=False,
     )
     assert session.drain(30)
@@ -557,7 +545,7 @@ def test_deferred_size_bound_holds_for_incompressible_episodes(length):
         "state:frames": rng.integers(0, 256, (chunk_len, num_envs, 3, 5, 7), dtype=np.uint8),
         "state:player_positions": rng.integers(0, 2**31, (chunk_len, num_envs, 1, 2)),
     }
-    bound = EpisodeBound(_core_chunk(1, arrays).arrays)(length)
+    bound = EpisodeBound(core_chunk(1, arrays).arrays)(length)
     episode = EpisodeArrays(
         actions=arrays["action"][:length, 1],
         rewards=arrays["reward"][:length, 1],
