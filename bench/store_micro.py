@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import subprocess
 import sys
 import tempfile
@@ -47,7 +46,7 @@ from recorder_client.capture_types import (
     UtilityConfig,
 )
 from recorder_server import store as new_store_mod
-from recorder_server.store.repository import blob_bound
+from recorder_server.store.repository import episode_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = 64
@@ -151,15 +150,7 @@ class HeldEpisode:
 
     def __init__(self, episode, first: int, group: object) -> None:
         self.episode, self.first, self.group, self.length = episode, first, group, episode.length
-        arrays = {"actions": episode.actions, "rewards": episode.rewards}
-        arrays.update({"state/" + k: v for k, v in episode.states.items()})
-        self.bound = blob_bound(
-            [
-                (k, a.dtype.str, a.shape[1:], a.dtype.itemsize * math.prod(a.shape[1:]))
-                for k, a in arrays.items()
-            ],
-            episode.length,
-        )
+        self.bound = episode_bound(episode)
 
     def fetch(self, cache: dict):
         return self.episode

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from recorder_client.capture_types import EpisodeOutcome
@@ -15,7 +13,7 @@ from recorder_server.store import (
     EpisodeWindow,
     TrajectoryStore,
 )
-from recorder_server.store.repository import blob_bound
+from recorder_server.store.repository import episode_bound
 
 WIN, LOSS, DRAW = EpisodeOutcome.WIN, EpisodeOutcome.LOSS, EpisodeOutcome.DRAW
 FORMS = ("list", "batch", "columns", "window")
@@ -38,15 +36,7 @@ class HeldEpisode:
     def __init__(self, episode: EpisodeArrays, group: object, first: int, fetches: list) -> None:
         self.episode, self.group, self.first, self.fetches = episode, group, first, fetches
         self.length = episode.length
-        arrays = {"actions": episode.actions, "rewards": episode.rewards}
-        arrays.update({"state/" + k: v for k, v in episode.states.items()})
-        self.bound = blob_bound(
-            [
-                (k, a.dtype.str, a.shape[1:], a.dtype.itemsize * math.prod(a.shape[1:]))
-                for k, a in arrays.items()
-            ],
-            episode.length,
-        )
+        self.bound = episode_bound(episode)
 
     def fetch(self, cache: dict) -> EpisodeArrays:
         self.fetches.append(self.first)

@@ -19,6 +19,7 @@ trajectories are superseded before anything reads them; those are never encoded 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -61,6 +62,17 @@ def blob_bound(field_bytes: Iterable[tuple[str, str, tuple[int, ...], int]], len
     # ZSTD_COMPRESSBOUND, plus a frame header and checksum margin.
     small = ((128 << 10) - packed) >> 11 if packed < (128 << 10) else 0
     return packed + (packed >> 8) + small + 32
+
+
+def episode_bound(episode: EpisodeArrays) -> int:
+    """:func:`blob_bound` of an episode's own arrays."""
+    arrays = {"actions": episode.actions, "rewards": episode.rewards}
+    arrays.update({_STATE_PREFIX + k: v for k, v in episode.states.items()})
+    fields = [
+        (k, a.dtype.str, a.shape[1:], a.dtype.itemsize * math.prod(a.shape[1:]))
+        for k, a in arrays.items()
+    ]
+    return blob_bound(fields, episode.length)
 
 
 class DeferredEpisode(Protocol):
