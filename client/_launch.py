@@ -6,16 +6,22 @@ given), the demo, the tests and the benchmarks. The server prints
 
 The embedded server watches its stdin (``--exit-with-stdin``): when this process exits, even
 by kill -9, the pipe closes and the server stops by itself.
+
+Unless the caller redirects it, the child's stderr is copied to ours as it comes and its last
+lines are kept, so that a server that exits before it listens (a bad flag, a missing package)
+is reported with its exit status and the end of what it printed.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,13 +31,63 @@ from .errors import RecorderUnavailableError
 
 READY_PREFIX = "rollout-recorder listening on "
 
+# How much of the child's stderr an error message quotes.
+_TAIL_BYTES = 4096
+_TAIL_LINES = 20
+
+
+class _StderrTee:
+    """Copies a child's stderr pipe to our fd 2 as it arrives and keeps its last bytes.
+
+    Raw fd reads and writes in a daemon thread: no buffered stream lock is held, so the
+    thread cannot block this interpreter's exit. The thread closes the pipe at EOF.
+    """
+
+    def __init__(self, pipe: IO) -> None:
+        self._pipe = pipe
+        self._tail = bytearray()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._pump, name="recorder-server-stderr", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self) -> None:
+        fd = self._pipe.fileno()
+        try:
+            while data := os.read(fd, 65536):
+                with self._lock:
+                    self._tail += data
+                    del self._tail[:-_TAIL_BYTES]
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(2, view) :]
+        except OSError:
+            pass
+        finally:
+            try:
+                self._pipe.close()
+            except OSError:
+                pass
+
+    def tail(self, wait: float = 2.0) -> str:
+        """The last lines the child wrote (after waiting up to `wait` s for its EOF)."""
+        self._thread.join(wait)
+        with self._lock:
+            text = self._tail.decode("utf-8", errors="replace")
+        return "\n".join(text.rstrip().splitlines()[-_TAIL_LINES:])
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
 
 class ServerProcess:
     """``python -m recorder_server serve ARGS`` as a child (or ``command``, a whole command
     line that serves, such as an image's); ``address`` is where it listens.
 
     Raises RecorderUnavailableError when the child exits before it listens (with its exit
-    status) or does not listen within ``startup_timeout`` seconds.
+    status) or does not listen within ``startup_timeout`` seconds; with ``stderr`` left None
+    the message ends with the last lines the child wrote on its stderr.
     """
 
     def __init__(
@@ -55,11 +111,12 @@ class ServerProcess:
             cmd,
             stdin=subprocess.PIPE if exit_with_stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=stderr,
+            stderr=subprocess.PIPE if stderr is None else stderr,
             text=True,
             env=None if env is None else dict(env),
             start_new_session=new_session,
         )
+        self._stderr = None if stderr is not None else _StderrTee(self.process.stderr)
         self.address = self._wait_ready(startup_timeout)
 
     @property
@@ -85,11 +142,19 @@ class ServerProcess:
         waited = time.monotonic() - started
         self.stop()
         if code is not None:
-            raise RecorderUnavailableError(
-                f"the recorder server exited with status {code} after {waited:.1f}s, before it "
-                "listened (its error is on its stderr)"
+            what = (
+                f"the recorder server exited with status {code} after {waited:.1f}s, "
+                "before it listened"
             )
-        raise RecorderUnavailableError(f"the recorder server did not listen within {timeout}s")
+        else:
+            what = f"the recorder server did not listen within {timeout}s"
+        raise RecorderUnavailableError(what + self._stderr_tail())
+
+    def _stderr_tail(self) -> str:
+        if self._stderr is None:
+            return " (its error is on its stderr)"
+        tail = self._stderr.tail()
+        return f"; its stderr ends:\n{tail}" if tail else "; it wrote nothing on stderr"
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -116,6 +181,8 @@ class ServerProcess:
         return self.process.returncode
 
     def _close_pipes(self) -> None:
+        if self._stderr is not None:
+            self._stderr.join(1.0)  # copy what the child wrote last; the tee closes its pipe
         for stream in (self.process.stdin, self.process.stdout):
             if stream is not None:
                 try:

@@ -24,6 +24,8 @@ from socketserver import ThreadingMixIn
 from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from ..extras import require
+
 logger = logging.getLogger(__name__)
 
 Row = tuple[str, float, int]
@@ -88,8 +90,7 @@ class PrometheusEndpoint:
     """A running HTTP server exposing one registry at any path (``/metrics`` by convention)."""
 
     def __init__(self, registry: object, host: str, port: int) -> None:
-        from prometheus_client import make_wsgi_app
-
+        make_wsgi_app = require("prometheus_client", "a Prometheus metrics endpoint").make_wsgi_app
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         server_class = _ThreadingWSGIServer6 if family == socket.AF_INET6 else _ThreadingWSGIServer
         self._httpd = make_server(
@@ -129,6 +130,7 @@ class TensorBoardSink:
     """
 
     def __init__(self, logdir: str | os.PathLike[str], flush_secs: float) -> None:
+        require("tensorboardX", "--tensorboard-dir (TensorBoard event files)")
         from tensorboardX import FileWriter
         from tensorboardX.proto.summary_pb2 import Summary
 

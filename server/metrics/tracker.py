@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Self
 
+from ..extras import require
 from .sinks import (
     JsonlSink,
     PrometheusCollector,
@@ -238,12 +239,9 @@ class MetricsTracker:
         self._closed = False
         self._endpoint: PrometheusEndpoint | None = None
 
-        self._registry = None
-        if self.config.prometheus:
-            from prometheus_client import CollectorRegistry
-
-            self._registry = CollectorRegistry(auto_describe=False)
-            self._registry.register(PrometheusCollector(self._prometheus_rows))  # type: ignore[arg-type]
+        # Made on first use (`registry`, `start_http`): prometheus_client is an optional
+        # package that a server without a metrics endpoint never imports.
+        self._registry: object | None = None
 
         sinks: list[_GatedSink] = []
         try:
@@ -267,9 +265,18 @@ class MetricsTracker:
     def registry(self) -> object | None:
         """The tracker's own prometheus_client `CollectorRegistry` (None without Prometheus).
 
+        Made on first use; `MissingExtraError` when prometheus_client is not installed.
         Other server code may register its own collectors (e.g. RPC latency histograms) here.
         """
-        return self._registry
+        if not self.config.prometheus:
+            return None
+        with self._lock:
+            if self._registry is None:
+                prometheus = require("prometheus_client", "a Prometheus metrics endpoint")
+                registry = prometheus.CollectorRegistry(auto_describe=False)
+                registry.register(PrometheusCollector(self._prometheus_rows))
+                self._registry = registry
+            return self._registry
 
     @property
     def current_step(self) -> int:
@@ -362,7 +369,7 @@ class MetricsTracker:
 
         Port 0 picks a free port. One endpoint per tracker; `close` stops it.
         """
-        if self._registry is None:
+        if not self.config.prometheus:
             raise RuntimeError("Prometheus is disabled in this MetricsConfig")
         if self._closed:
             raise RuntimeError("MetricsTracker is closed")
@@ -370,7 +377,7 @@ class MetricsTracker:
             raise RuntimeError(
                 f"metrics endpoint already serving on {self._endpoint.host}:{self._endpoint.port}"
             )
-        self._endpoint = PrometheusEndpoint(self._registry, host, port)
+        self._endpoint = PrometheusEndpoint(self.registry, host, port)
         return self._endpoint.host, self._endpoint.port
 
     def flush(self) -> None:

@@ -17,6 +17,9 @@ import threading
 
 import numpy as np
 
+from ..errors import ErrorKind, RequestError
+from ..extras import available, missing_message
+
 logger = logging.getLogger(__name__)
 
 _warm_lock = threading.Lock()
@@ -39,11 +42,23 @@ def __getattr__(name: str):
     return loop
 
 
+def require() -> None:
+    """Raise a NO_STORE `RequestError` naming the pip line when numba is not installed (a
+    plain ``pip install rollout-recorder``): a session cannot have a store then."""
+    if not available("numba"):
+        raise RequestError(
+            ErrorKind.NO_STORE,
+            "capture: " + missing_message("numba", "a trajectory store on the server"),
+        )
+
+
 def warm_up(wait: bool = False, timeout: float | None = None) -> bool:
     """Compile (or load) every loop for the array types the store and the feeder pass, once
     per process, in a daemon thread. ``wait``: block until done or ``timeout`` seconds
-    passed; returns whether the loops are ready."""
+    passed; returns whether the loops are ready. Raises as `require` does without numba."""
     global _warm_thread
+    if _warm_thread is None:
+        require()
     with _warm_lock:
         if _warm_thread is None:
             _warm_thread = threading.Thread(target=_compile_all, name="store-jit", daemon=True)
