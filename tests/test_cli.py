@@ -1,18 +1,30 @@
-"""`rollout-recorder serve`: prints its bound address, stops cleanly on signals."""
+"""The `rollout-recorder` command line: `serve` prints its bound address and stops cleanly on
+signals; --version and --log-level; the token and TLS flags of the client commands."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import struct
 import subprocess
 import sys
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
+import test_security
 from conftest import ServerProcess
+from test_security import TOKEN, start_secured
 
-from recorder_client import RolloutRecorder, _launch
+import recorder_client
+from recorder_client import RecorderUnavailableError, RolloutRecorder, _launch
+from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV
+from recorder_server.cli.main import LOG_ENV, build_parser, main
+
+# The certificates (a CA, server and client leaves) test_security makes, as a fixture here too.
+pki = test_security.pki
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -80,3 +92,139 @@ def test_serve_refuses_a_log_of_another_format_and_says_so(tmp_path):
     assert out.returncode == 2
     assert "segment format version 1 is not supported" in out.stderr
     assert "another version of rollout-recorder" in out.stderr
+
+
+# -- the command line's own flags -------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rollout-recorder {recorder_client.__version__}"
+
+
+def test_log_level_takes_any_case_and_refuses_the_rest(monkeypatch, capsys):
+    monkeypatch.delenv(LOG_ENV, raising=False)
+    parser = build_parser()
+    assert parser.parse_args(["--log-level", "debug", "health"]).log_level == "DEBUG"
+    with pytest.raises(SystemExit) as info:
+        main(["--log-level", "loud", "health"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: rollout-recorder" in err and "got 'loud'" in err and "WARNING" in err
+    monkeypatch.setenv(LOG_ENV, "chatty")
+    with pytest.raises(SystemExit) as info:
+        main(["health", "--target", "127.0.0.1:1"])
+    assert info.value.code == 2
+    assert f"${LOG_ENV}: expected one of DEBUG" in capsys.readouterr().err
+
+
+def test_bad_log_level_from_the_environment_is_a_usage_error_not_a_traceback():
+    env = {**os.environ, LOG_ENV: "verbose"}
+    out = subprocess.run(
+        [sys.executable, "-m", "recorder_server", "status", "--target", "127.0.0.1:1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert f"${LOG_ENV}: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in out.stderr
+
+
+def test_a_server_that_exits_at_start_is_reported_with_its_status_and_stderr():
+    with pytest.raises(RecorderUnavailableError) as info:
+        _launch.ServerProcess(["--no-such-flag"])
+    message = str(info.value)
+    assert "exited with status 2" in message
+    assert "unrecognized arguments: --no-such-flag" in message
+
+
+def test_a_metrics_endpoint_without_prometheus_client_names_the_extra(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    args = ["serve", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path), "--no-wal"]
+    assert main([*args, "--metrics-listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "needs prometheus-client" in err and "pip install 'rollout-recorder[server]'" in err
+
+
+# -- token and TLS flags of the client commands ------------------------------------------------
+@pytest.fixture
+def no_token_env(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
+
+
+@pytest.fixture
+def token_file(tmp_path) -> str:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+def status_once(address: str, *flags: str) -> int:
+    return main(["status", "--target", address, "--once", "--timeout", "5", *flags])
+
+
+def test_status_takes_the_token_from_its_flag_or_the_environment(
+    no_token_env, token_file, monkeypatch, capsys
+):
+    running = start_secured()
+    try:
+        assert status_once(running.address) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert status_once(running.address, "--token-file", token_file) == 0
+        assert capsys.readouterr().out.startswith("rollout-recorder: 0 sessions")
+        monkeypatch.setenv(TOKEN_ENV, TOKEN)
+        assert status_once(running.address) == 0
+        monkeypatch.delenv(TOKEN_ENV)
+        monkeypatch.setenv(TOKEN_FILE_ENV, token_file)
+        assert status_once(running.address) == 0
+        capsys.readouterr()
+        # The flag wins over the environment.
+        wrong = Path(token_file).with_name("wrong")
+        wrong.write_text("wrong-token")
+        assert status_once(running.address, "--token-file", str(wrong)) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert status_once(running.address, "--token-file", str(wrong) + ".missing") == 1
+        assert "--token-file" in capsys.readouterr().err
+    finally:
+        running.stop()
+
+
+def test_status_health_and_demo_worker_over_tls(no_token_env, token_file, pki, capsys):
+    running = start_secured(tls=(pki.server_cert, pki.server_key))
+    try:
+        assert status_once(running.address, "--token-file", token_file) == 1
+        assert "--tls-ca" in capsys.readouterr().err  # the handshake hint
+        tls = ["--token-file", token_file, "--tls-ca", str(pki.ca)]
+        assert status_once(running.address, *tls) == 0
+        assert main(["health", "--target", running.address, "--tls-ca", str(pki.ca)]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith("SERVING")
+        worker = ["demo-worker", "--target", running.address, "--session", "tls"]
+        small = ["--worker-id", "w0", "--chunks", "2", "--length", "8", "--envs", "3"]
+        assert main([*worker, *small, *tls]) == 0
+        assert capsys.readouterr().out.startswith("worker w0: 2 chunks")
+        assert main(["status", "--target", running.address, "--json", *tls]) == 0
+        reply = json.loads(capsys.readouterr().out)
+        assert [s["session"] for s in reply["sessions"]] == ["tls"]
+        assert main([*worker, *small, "--token-file", token_file]) == 1  # no --tls-ca
+        assert "rollout-recorder demo-worker:" in capsys.readouterr().err
+    finally:
+        running.stop()
+
+
+def test_mutual_tls_flags(no_token_env, token_file, pki, capsys):
+    running = start_secured(tls=(pki.server_cert, pki.server_key), client_ca=pki.ca)
+    try:
+        tls = ["--token-file", token_file, "--tls-ca", str(pki.ca)]
+        mine = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+        assert status_once(running.address, *tls, *mine) == 0
+        assert status_once(running.address, *tls) == 1
+        assert status_once(running.address, *tls, "--tls-cert", str(pki.client_cert)) == 1
+        assert "--tls-cert and --tls-key: expected both or neither" in capsys.readouterr().err
+        assert main(["health", "--target", running.address, "--tls-ca", str(pki.ca), *mine]) == 0
+    finally:
+        running.stop()

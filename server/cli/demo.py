@@ -13,35 +13,42 @@ import sys
 import tempfile
 import time
 
+from .common import Credentials, add_flags, fail
+
 STATE_FIELDS = ["player_positions", "player_inventory"]
 
 
 def run_worker(args: argparse.Namespace) -> int:
     """One trainer: collect chunks from the synthetic env and record them."""
-    from recorder_client import RolloutRecorder
+    from recorder_client import RecorderError, RolloutRecorder
 
     from ..workload import SyntheticVecEnv
 
     env = SyntheticVecEnv(args.envs, seed=args.seed, done_prob=args.done_prob)
     start = time.perf_counter()
-    with RolloutRecorder(
-        max_episodes=args.max_episodes,
-        record_states=True,
-        state_fields=STATE_FIELDS,
-        target=args.target,
-        session=args.session,
-        worker_id=args.worker_id,
-    ) as recorder:
-        for _ in range(args.chunks):
-            rollout, states = env.collect(args.length)
-            recorder.record(rollout, states)
-        recorder.flush()
-        stats = recorder.stats
-        print(
-            f"worker {args.worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
-            f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s",
-            flush=True,
-        )
+    try:
+        credentials = Credentials.from_args(args)
+        with RolloutRecorder(
+            max_episodes=args.max_episodes,
+            record_states=True,
+            state_fields=STATE_FIELDS,
+            target=args.target,
+            session=args.session,
+            worker_id=args.worker_id,
+            **credentials.client_kwargs(),
+        ) as recorder:
+            for _ in range(args.chunks):
+                rollout, states = env.collect(args.length)
+                recorder.record(rollout, states)
+            recorder.flush()
+            stats = recorder.stats
+    except (RecorderError, ValueError) as exc:  # unreachable, refused, unusable credentials
+        return fail("demo-worker", str(exc))
+    print(
+        f"worker {args.worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
+        f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s",
+        flush=True,
+    )
     return 0
 
 
@@ -154,4 +161,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--envs", type=int, default=64)
     worker.add_argument("--done-prob", type=float, default=1 / 200)
     worker.add_argument("--max-episodes", type=int, default=None)
+    add_flags(worker)
     worker.set_defaults(func=run_worker)

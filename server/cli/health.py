@@ -13,10 +13,11 @@ import os
 
 import grpc
 
-from recorder_client._credentials import make_channel
 from recorder_client.errors import handshake_hint
 
+from ..extras import MissingExtraError, require
 from ..rpc.security import RECORDER_SERVICE_NAME
+from .common import Credentials, add_flags
 
 
 def health_main(
@@ -31,20 +32,25 @@ def health_main(
     service: str = RECORDER_SERVICE_NAME,
 ) -> int:
     """Check `service` and "" on `target`; print one line; 0 when both are SERVING."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    credentials = Credentials(
+        root_certificates=tls_ca,
+        client_certificate=tls_cert,
+        client_key=tls_key,
+        tls=tls,
+        server_name=server_name,
+    )
+    return check(target, timeout, credentials, service)
 
-    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+def check(
+    target: str, timeout: float, credentials: Credentials, service: str = RECORDER_SERVICE_NAME
+) -> int:
+    """`health_main` with the credentials of the command's flags."""
     try:
-        channel = make_channel(
-            target,
-            token=None,
-            root_certificates=tls_ca,
-            client_certificate=tls_cert,
-            client_key=tls_key,
-            tls=tls,
-            options=options,
-        )
-    except ValueError as exc:
+        health_pb2 = require("grpc_health.v1.health_pb2", "rollout-recorder health")
+        health_pb2_grpc = require("grpc_health.v1.health_pb2_grpc", "rollout-recorder health")
+        channel = credentials.channel(target)
+    except (ValueError, MissingExtraError) as exc:
         print(f"UNKNOWN {target}: {exc}", flush=True)
         return 1
     statuses: dict[str, str] = {}
@@ -71,15 +77,12 @@ def health_main(
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    return health_main(
-        args.target,
-        args.timeout,
-        tls_ca=args.tls_ca,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls=args.tls,
-        server_name=args.tls_server_name,
-    )
+    try:
+        credentials = Credentials.from_args(args)
+    except ValueError as exc:
+        print(f"UNKNOWN {args.target}: {exc}", flush=True)
+        return 1
+    return check(args.target, args.timeout, credentials)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -88,23 +91,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "health",
         help="check a server's gRPC health (exit 0 when SERVING)",
         description="Call grpc.health.v1 Check for the recorder service and the whole "
-        "server; exit 0 when both are SERVING, 1 otherwise. Needs no token.",
+        "server; exit 0 when both are SERVING, 1 otherwise. Needs no token (one given is "
+        "sent all the same).",
     )
     parser.add_argument(
         "--target", default="127.0.0.1:50051", help="HOST:PORT or unix:PATH; default %(default)s"
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds; default %(default)s")
-    parser.add_argument(
-        "--tls", action="store_true", help="use TLS with the system's root certificates"
-    )
-    parser.add_argument("--tls-ca", default=None, help="PEM file of the server's CA (TLS)")
-    parser.add_argument("--tls-cert", default=None, help="client certificate PEM (mutual TLS)")
-    parser.add_argument("--tls-key", default=None, help="client key PEM (mutual TLS)")
-    parser.add_argument(
-        "--tls-server-name", default=None, help="name expected in the server's certificate"
-    )
+    add_flags(parser, channel=True)
     parser.set_defaults(func=cmd_health)
     return parser
 
 
-__all__ = ["add_parser", "health_main"]
+__all__ = ["add_parser", "check", "health_main"]

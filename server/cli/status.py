@@ -12,12 +12,17 @@ from google.protobuf import json_format
 
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+from recorder_client.errors import handshake_hint
+
+from .common import Credentials, add_flags, fail
 
 
-def fetch(target: str, timeout: float) -> pb.MetricsReply:
-    with grpc.insecure_channel(target) as channel:
+def fetch(target: str, timeout: float, credentials: Credentials | None = None) -> pb.MetricsReply:
+    """One GetMetrics reply. A server that cannot be reached fails the call at once (UNAVAILABLE,
+    with the reason: refused, or a TLS handshake that failed), not after `timeout` s."""
+    with (credentials or Credentials()).channel(target) as channel:
         stub = pb_grpc.RecorderStub(channel)
-        return stub.GetMetrics(pb.MetricsRequest(), timeout=timeout, wait_for_ready=True)
+        return stub.GetMetrics(pb.MetricsRequest(), timeout=timeout)
 
 
 def _labelled(values: dict[str, float], prefix: str, session: str) -> dict[str, float]:
@@ -68,13 +73,15 @@ def render(reply: pb.MetricsReply, previous: pb.MetricsReply | None, dt: float) 
 
 def status_main(args: argparse.Namespace) -> int:
     try:
-        reply = fetch(args.target, args.timeout)
+        credentials = Credentials.from_args(args)
+        reply = fetch(args.target, args.timeout, credentials)
+    except ValueError as exc:
+        return fail("status", str(exc))
     except grpc.RpcError as err:
-        print(
-            f"rollout-recorder status: {args.target}: {err.code().name}: {err.details()}",
-            file=sys.stderr,
+        details = err.details() or ""
+        return fail(
+            "status", f"{args.target}: {err.code().name}: {details}{handshake_hint(details)}"
         )
-        return 1
     if args.json:
         print(json.dumps(json_format.MessageToDict(reply), indent=2, sort_keys=True))
         return 0
@@ -85,7 +92,7 @@ def status_main(args: argparse.Namespace) -> int:
     try:
         while True:
             time.sleep(args.interval)
-            reply = fetch(args.target, args.timeout)
+            reply = fetch(args.target, args.timeout, credentials)
             now = time.monotonic()
             sys.stdout.write("\x1b[2J\x1b[H" + render(reply, previous, now - last) + "\n")
             sys.stdout.flush()
@@ -93,8 +100,7 @@ def status_main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except grpc.RpcError as err:
-        print(f"rollout-recorder status: lost {args.target}: {err.details()}", file=sys.stderr)
-        return 1
+        return fail("status", f"lost {args.target}: {err.details()}")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -103,5 +109,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--once", action="store_true", help="print one snapshot and exit")
     status.add_argument("--json", action="store_true", help="print one snapshot as JSON")
     status.add_argument("--interval", type=float, default=2.0, help="refresh seconds")
-    status.add_argument("--timeout", type=float, default=10.0)
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    add_flags(status, channel=True)
     status.set_defaults(func=status_main)
