@@ -32,7 +32,8 @@ class MissingExtraError(ImportError):
 
 def missing_message(module: str, feature: str) -> str:
     """``"<feature> needs <package>, which is not installed: pip install ..."``."""
-    package = PACKAGES.get(module, module)
+    top = module.split(".")[0]
+    package = PACKAGES.get(top, top)
     return f"{feature} needs {package}, which is not installed: {INSTALL_HINT}"
 
 
