@@ -16,9 +16,11 @@ _EXPORTS = {
     "AuthenticationError": "errors",
     "CellField": "capture_types",
     "CheckpointFile": "capture_types",
+    "DataLossError": "errors",
     "Episode": "capture",
     "EpisodeOutcome": "capture_types",
     "InvalidChunkError": "errors",
+    "InvalidNameError": "errors",
     "NoDataError": "errors",
     "OutcomeRule": "capture_types",
     "RecorderError": "errors",
@@ -33,17 +35,22 @@ _EXPORTS = {
     "TrajectoryKey": "capture_types",
     "TrajectorySliceReference": "capture_types",
     "TrajectoryTrainingConfiguration": "capture_types",
+    "UnknownSessionError": "errors",
     "UtilityConfig": "capture_types",
     "WorkerStatus": "status",
+    "drop_session": "sessions",
+    "list_sessions": "sessions",
 }
 
 __all__ = [
     "AuthenticationError",
     "CellField",
     "CheckpointFile",
+    "DataLossError",
     "Episode",
     "EpisodeOutcome",
     "InvalidChunkError",
+    "InvalidNameError",
     "NoDataError",
     "OutcomeRule",
     "RecorderError",
@@ -58,9 +65,12 @@ __all__ = [
     "TrajectoryKey",
     "TrajectorySliceReference",
     "TrajectoryTrainingConfiguration",
+    "UnknownSessionError",
     "UtilityConfig",
     "WorkerStatus",
     "__version__",
+    "drop_session",
+    "list_sessions",
 ]
 
 
@@ -92,13 +102,17 @@ if TYPE_CHECKING:
     )
     from .errors import (
         AuthenticationError,
+        DataLossError,
         InvalidChunkError,
+        InvalidNameError,
         NoDataError,
         RecorderError,
         RecorderUnavailableError,
         ResourceExhaustedError,
         SessionMismatchError,
+        UnknownSessionError,
     )
     from .recorder import RolloutRecorder
+    from .sessions import drop_session, list_sessions
     from .status import SessionStatus, WorkerStatus
     from .trajectory import Trajectory

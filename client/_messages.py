@@ -90,6 +90,8 @@ _COUNTERS = (
     "chunks_dropped",
     "raw_bytes",
     "wire_bytes",
+    "sequences_lost",
+    "idle_seconds",
 )
 
 

@@ -22,7 +22,9 @@ import numpy as np
 
 from ._messages import array_to_proto
 from ._proto import recorder_pb2 as pb
+from ._wire import ERROR_KIND_KEY
 from .errors import (
+    DataLossError,
     InvalidChunkError,
     RecorderError,
     RecorderUnavailableError,
@@ -34,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 # Status codes after which the stream is reopened and unacknowledged chunks resent.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+# Refusal kinds a fresh join resolves (the worker expired, or the server restarted).
+_REJOIN_KINDS = {"not_joined"}
+
+
+def _kind(err: grpc.RpcError) -> str:
+    for key, value in getattr(err, "trailing_metadata", lambda: None)() or ():
+        if key == ERROR_KIND_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return ""
 
 
 @dataclass
@@ -46,6 +57,8 @@ class PendingChunk:
     arrays: dict[str, Any] | None
     request: pb.RecordRequest | None = None
     wire_bytes: int = 0
+    # The chunk's layout, which fixes the worker's once the server stores it.
+    schema: Any = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,8 @@ class StreamStats:
     wire_bytes: int
     """Bytes those chunks took on the wire."""
     reconnects: int
+    sequences_lost: int = 0
+    """Acknowledged chunks the server later reported lost (see DataLossError)."""
 
 
 @dataclass
@@ -75,6 +90,7 @@ class SenderStats:
     raw_bytes: int = 0
     wire_bytes: int = 0
     reconnects: int = 0
+    sequences_lost: int = 0
     errors: list[RecorderError] = field(default_factory=list)
 
 
@@ -108,15 +124,21 @@ class ChunkSender:
         self,
         *,
         connection: Any,
-        join: Callable[[], int],
+        join: Callable[[int], int],
         session: str,
         worker_id: str,
         target: str,
         max_bytes_in_flight: int,
         compression_level: int,
         reconnect_timeout: float,
+        on_stored: Callable[[PendingChunk], None] = lambda item: None,
+        raise_data_loss: bool = True,
     ) -> None:
         self._connection = connection
+        self._on_stored = on_stored
+        self._raise_data_loss = raise_data_loss
+        # Highest sequence the server acknowledged; sent on every rejoin.
+        self._acked = 0
         self._join = join
         self._session = session
         self._worker_id = worker_id
@@ -131,11 +153,16 @@ class ChunkSender:
         self._generation = 0
         self._closing = False
         self._fatal: RecorderError | None = None
+        # Whether the caller has seen _fatal (close() does not raise it a second time).
+        self.fatal_reported = False
         self.stats = SenderStats()
         self.is_full = False
         self.num_recorded_steps = 0
         # The server's refusal while it has no space; cleared by the next ack.
         self._exhausted: RecorderError | None = None
+        self._progress = True
+        self._stalled_since = time.monotonic()
+        self._backoff = 0.0
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
@@ -193,6 +220,7 @@ class ChunkSender:
                 s.raw_bytes,
                 s.wire_bytes,
                 s.reconnects,
+                s.sequences_lost,
             )
 
     def take_errors(self) -> list[RecorderError]:
@@ -208,6 +236,7 @@ class ChunkSender:
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
+            self.fatal_reported = True
             raise self._fatal
 
     # -- sender thread ---------------------------------------------------
@@ -253,7 +282,13 @@ class ChunkSender:
                 err: grpc.RpcError | None = None
             except grpc.RpcError as exc:
                 err = exc
-            exhausted = err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # Out of space on the server (its kind says so): retried until it has room. A
+            # message over the server's size cap says nothing and is never taken: fatal.
+            exhausted = (
+                err is not None
+                and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and _kind(err) == "storage"
+            )
             if exhausted:
                 # The server could not log the chunk (its disk is full). Tell the
                 # caller once, keep every unacknowledged chunk, and keep retrying.
@@ -263,7 +298,9 @@ class ChunkSender:
                         self.stats.errors.append(error)
                     self._exhausted = error
                     self._cond.notify_all()
-            elif err is not None and err.code() not in _RETRYABLE:
+            elif (
+                err is not None and err.code() not in _RETRYABLE and _kind(err) not in _REJOIN_KINDS
+            ):
                 self._fail(from_rpc_error(err, self._target))
                 return
             if not self._reconnect(err, patient=exhausted):
@@ -276,6 +313,8 @@ class ChunkSender:
                 return
             self._in_flight -= item.raw_bytes
             self._exhausted = None
+            self._acked = max(self._acked, ack.sequence)
+            self._progress = True
             self.stats.chunks_acked += 1
             if ack.result == pb.RecordAck.REJECTED:
                 self.stats.errors.append(
@@ -286,6 +325,8 @@ class ChunkSender:
             else:
                 self.stats.raw_bytes += item.raw_bytes
                 self.stats.wire_bytes += item.wire_bytes
+                if ack.result == pb.RecordAck.STORED:
+                    self._on_stored(item)
             self.is_full = ack.is_full
             self.num_recorded_steps = ack.num_recorded_steps
             self._cond.notify_all()
@@ -297,12 +338,32 @@ class ChunkSender:
         """
         with self._cond:
             self._generation += 1
+            # A stream with nothing to send makes no progress and needs none.
+            waiting = bool(self._unacked or self._to_send)
+            progressed, self._progress = self._progress or not waiting, False
             self._cond.notify_all()
+        reason = err.details() if err is not None else "stream ended"
+        now = time.monotonic()
+        if progressed:
+            self._stalled_since, self._backoff = now, 0.0
+        else:
+            # Reconnected before and no ack since: the server keeps refusing this stream.
+            # Back off, and give up once that has gone on for reconnect_timeout.
+            if now - self._stalled_since > self._reconnect_timeout:
+                self._fail(
+                    RecorderError(
+                        f"the recorder server at {self._target} kept ending this worker's "
+                        f"stream for {self._reconnect_timeout}s without taking a chunk "
+                        f"(last: {reason})"
+                    )
+                )
+                return False
+            self._backoff = min(max(self._backoff * 2, 0.05), 2.0)
+            time.sleep(self._backoff)
         if patient:
             time.sleep(0.5)
         delay = 0.05
         deadline = time.monotonic() + self._reconnect_timeout
-        reason = err.details() if err is not None else "stream ended"
         while True:
             with self._cond:
                 if self._closing:
@@ -315,7 +376,7 @@ class ChunkSender:
                         )
                     return False
             try:
-                last = self._join()
+                last = self._join(self._acked)
                 break
             except ValueError:  # the channel was closed under us: we are shutting down
                 return False
@@ -333,6 +394,8 @@ class ChunkSender:
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+        if last < self._acked:
+            self._lost(last + 1, self._acked)
         with self._cond:
             self.stats.reconnects += 1
             resend = [item for seq, item in self._unacked.items() if seq > last]
@@ -344,6 +407,23 @@ class ChunkSender:
             self._cond.notify_all()
         logger.info("reconnected to %s; resending %d chunks", self._target, len(resend))
         return True
+
+    def _lost(self, first: int, last: int) -> None:
+        error = DataLossError(
+            f"the recorder server at {self._target} lost chunks {first}..{last} of worker "
+            f"{self._worker_id!r} in session {self._session!r} after acknowledging them (its "
+            "write-ahead log lost its last unsynced records, e.g. in a power cut); recording "
+            f"goes on from chunk {last + 1}",
+            worker_id=self._worker_id,
+            first=first,
+            last=last,
+        )
+        logger.warning("%s", error)
+        with self._cond:
+            self.stats.sequences_lost += last - first + 1
+            if self._raise_data_loss:
+                self.stats.errors.append(error)
+            self._cond.notify_all()
 
     def _fail(self, exc: RecorderError) -> None:
         with self._cond:

@@ -13,6 +13,7 @@ The server's core imports this module and nothing else of the client's wire code
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -188,6 +189,38 @@ RESERVED_NAMES = frozenset(
         "worker_ids",
     }
 )
+
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def shown(text: str, limit: int = 64) -> str:
+    """``text`` for an error message: quoted, and cut after ``limit`` characters."""
+    if not isinstance(text, str):
+        return repr(text)[:limit]
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_session_name(name: str) -> str:
+    """The session naming rule (ValueError naming the field)."""
+    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
+        raise ValueError(
+            "session: expected 1-128 characters from [A-Za-z0-9._-] not starting with '.', "
+            f"got {shown(name)}"
+        )
+    return name
+
+
+def check_worker_id(worker_id: str) -> str:
+    """The worker id rule (ValueError naming the field)."""
+    if (
+        not isinstance(worker_id, str)
+        or not worker_id
+        or len(worker_id) > 128
+        or not worker_id.isprintable()
+    ):
+        raise ValueError(f"worker_id: expected 1-128 printable characters, got {shown(worker_id)}")
+    return worker_id
 
 
 def trajectory_name(state_field: str) -> str:

@@ -23,6 +23,27 @@ class SessionMismatchError(RecorderError, ValueError):
     """The session exists with a different configuration."""
 
 
+class InvalidNameError(RecorderError, ValueError):
+    """A session name or worker id outside the naming rule (1-128 characters from
+    [A-Za-z0-9._-] not starting with '.' for sessions; 1-128 printable ones for workers)."""
+
+
+class UnknownSessionError(RecorderError, LookupError):
+    """No session of that name on the server (never joined, or dropped)."""
+
+
+class DataLossError(RecorderError):
+    """Chunks the server had acknowledged were lost (for example the last window of a
+    batched-fsync log in a power cut). ``first`` to ``last`` are the worker's lost sequence
+    numbers; the worker goes on from ``last + 1``, and status() counts them."""
+
+    def __init__(self, message: str, *, worker_id: str = "", first: int = 0, last: int = 0):
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.first = first
+        self.last = last
+
+
 class NoDataError(RecorderError, ValueError):
     """finish() found nothing to return (the in-process recorder's ValueError cases)."""
 
@@ -39,6 +60,8 @@ class AuthenticationError(RecorderError, PermissionError):
 _BY_KIND: dict[str, type[RecorderError]] = {
     "session_mismatch": SessionMismatchError,
     "no_data": NoDataError,
+    "invalid_name": InvalidNameError,
+    "unknown_session": UnknownSessionError,
 }
 
 

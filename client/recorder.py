@@ -24,7 +24,7 @@ from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
-from .errors import InvalidChunkError, RecorderError
+from .errors import InvalidChunkError, InvalidNameError, RecorderError
 from .status import SessionStatus
 from .trajectory import Trajectory
 
@@ -82,6 +82,7 @@ class RolloutRecorder:
         client_certificate: PemSource = None,
         client_key: PemSource = None,
         capture: TrajectoryTrainingConfiguration | None = None,
+        on_data_loss: str = "raise",
     ) -> None:
         if max_episodes is not None and (
             isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
@@ -95,6 +96,14 @@ class RolloutRecorder:
             )
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
+        if on_data_loss not in ("raise", "continue"):
+            raise ValueError(f"on_data_loss: expected 'raise' or 'continue', got {on_data_loss!r}")
+        try:
+            _wire.check_session_name(session)
+            if worker_id is not None:
+                _wire.check_worker_id(worker_id)
+        except ValueError as exc:
+            raise InvalidNameError(str(exc)) from None
         self.max_episodes = None if max_episodes is None else int(max_episodes)
         self.record_states = bool(record_states)
         self.state_fields = _wire.check_state_fields(state_fields)
@@ -108,8 +117,11 @@ class RolloutRecorder:
         self._block = on_backpressure == "block"
         self._lock = threading.Lock()
         self._sequence = 0
+        # Fixed by the first chunk the server stored; until then chunks are checked only
+        # against themselves (the server refuses a mismatch among those in flight).
         self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
         self._signature: tuple | None = None
+        self._layout: Any = None
         self._closed = False
         self._embedded: EmbeddedServer | None = None
         self._connection: Connection | None = None
@@ -139,6 +151,8 @@ class RolloutRecorder:
                 max_bytes_in_flight=max_bytes_in_flight,
                 compression_level=compression_level,
                 reconnect_timeout=reconnect_timeout,
+                on_stored=self._stored,
+                raise_data_loss=on_data_loss == "raise",
             )
         except BaseException:
             self._shutdown_transport()
@@ -157,9 +171,14 @@ class RolloutRecorder:
             msg.capture_config_json = json.dumps(self.capture_config.to_dict(), sort_keys=True)
         return msg
 
-    def _join(self) -> int:
+    def _join(self, acked: int = 0) -> int:
+        """Join (or rejoin) the session; returns the last sequence the server holds.
+        ``acked``: the highest sequence the server acknowledged to this client."""
         request = pb.JoinRequest(
-            session=self.session, config=self._config(), worker_id=self.worker_id
+            session=self.session,
+            config=self._config(),
+            worker_id=self.worker_id,
+            acked_sequence=acked,
         )
         # Waits for a server still starting, up to connect_timeout.
         reply = self._connection.connect("Join", request)
@@ -190,13 +209,15 @@ class RolloutRecorder:
         in-process, where record() returns at once), or the in-flight cap was
         reached with on_backpressure="drop" (counted in `dropped_chunks`).
         Raises InvalidChunkError (a ValueError) for a chunk that does not match
-        this worker's earlier chunks, and any refusal the server sent for an
-        earlier chunk.
+        this worker's stored chunks; nothing is queued then. A refusal the server
+        sent for an earlier chunk (InvalidChunkError), or chunks it lost after
+        acknowledging them (DataLossError), are raised after this call's own
+        chunk was queued: catching the exception never costs a chunk.
         """
         self._check_open()
-        self._raise_async_errors()
         if self._sender.is_full:
             self._sender.stats.chunks_dropped_full += 1
+            self._raise_async_errors()
             return False
         arrays: dict[str, Any] = {}
         for name in ("action", "reward", "done"):
@@ -215,13 +236,17 @@ class RolloutRecorder:
                 value = _get(env_states, name)
                 if value is not None:
                     arrays[f"state:{name}"] = _take(value)
-        raw = self._validate(arrays)
+        raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1
-            item = PendingChunk(self._sequence, raw, arrays)
+            item = PendingChunk(self._sequence, raw, arrays, schema=schema)
             if not self._sender.submit(item, block=self._block):
                 self._sequence -= 1
+                self._raise_async_errors()
                 return False
+        # A refusal of an earlier chunk is raised here, after this call's chunk is queued:
+        # catching it never costs a chunk.
+        self._raise_async_errors()
         return True
 
     @property
@@ -234,19 +259,47 @@ class RolloutRecorder:
         """Raw bytes recorded but not yet acknowledged by the server."""
         return self._sender.bytes_in_flight
 
-    def _validate(self, arrays: dict[str, Any]) -> int:
-        """Check shapes and dtypes against this worker's earlier chunks; returns raw bytes."""
+    def _validate(self, arrays: dict[str, Any]) -> tuple[int, Any]:
+        """Check shapes and dtypes against this worker's stored chunks; returns raw bytes
+        and the chunk's layout."""
         # Fast path (record() is on the training loop's thread): the same layout as the
         # previous chunk, one T for every array. Anything else takes the full check.
         signature = tuple((k, tuple(v.shape[1:]), v.dtype) for k, v in arrays.items())
         lengths = {v.shape[0] if v.shape else None for v in arrays.values()}
+        if "outcome" in arrays:
+            self._check_outcome(arrays["outcome"])
         if signature == self._signature and len(lengths) == 1:
-            return sum(int(v.nbytes) for v in arrays.values())
-        raw = self._validate_fully(arrays)
-        self._signature = signature
-        return raw
+            return sum(int(v.nbytes) for v in arrays.values()), self._layout
+        raw, layout = self._validate_fully(arrays)
+        self._signature, self._layout = signature, layout
+        return raw, layout
 
-    def _validate_fully(self, arrays: dict[str, Any]) -> int:
+    @staticmethod
+    def _check_outcome(codes: Any) -> None:
+        if np.dtype(codes.dtype).kind not in "iu":
+            raise InvalidChunkError(
+                f"trajectories.outcome: expected integer codes, got dtype {codes.dtype}"
+            )
+        # A device array's values are not read here (that would wait for the device); the
+        # server checks them, and refuses that chunk alone.
+        if (
+            isinstance(codes, np.ndarray)
+            and codes.size
+            and (int(codes.min()) < 0 or int(codes.max()) > 4)
+        ):
+            bad = codes[(codes < 0) | (codes > 4)].ravel()[0]
+            raise InvalidChunkError(
+                "trajectories.outcome: expected codes 0 (unknown), 1 (win), 2 (loss), "
+                f"3 (draw) or 4 (incomplete), got {int(bad)}"
+            )
+
+    def _stored(self, item: PendingChunk) -> None:
+        # The sender thread: the server stored a chunk of this layout.
+        if self._schema is None and item.schema is not None:
+            self._schema = item.schema
+            self._signature = None  # the next chunk is checked against it in full
+
+    def _validate_fully(self, arrays: dict[str, Any]) -> tuple[int, Any]:
         schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
         a_shape = schema["action"][0]
         if len(a_shape) not in (2, 3):
@@ -275,11 +328,10 @@ class RolloutRecorder:
         # Outcome codes are optional chunk by chunk; everything else must stay the same.
         fixed = {k: v for k, v in schema.items() if k != "outcome"}
         previous = self._schema
-        if previous is None:
-            self._schema = fixed
-        else:
+        if previous is not None:
             self._check_against(previous, fixed)
-        return sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in schema.values())
+        raw = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in schema.values())
+        return raw, fixed
 
     @staticmethod
     def _check_against(previous: dict, schema: dict) -> None:
@@ -374,7 +426,7 @@ class RolloutRecorder:
             "LoadRuntimeState", file_parts(self.session, f"{self.session}.state", bytes(state))
         )
         # This worker's place and sequence come from the loaded state now.
-        self._sequence = self._join()
+        self._sequence = self._join(0)
         self._sender.is_full = bool(self.status().is_full)
 
     def checkpoint(self) -> str:
@@ -393,20 +445,35 @@ class RolloutRecorder:
 
     # -- lifetime --------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
-        """Flush, stop the stream, and stop the embedded server if this client started it."""
+        """Flush, stop the stream, leave the session (this worker no longer counts against
+        its worker limit; its chunks stay), and stop the embedded server if this client
+        started it."""
         if self._closed:
             return
         try:
             if self._sender is not None:
                 try:
-                    self._sender.flush(timeout)
+                    if not self._sender.fatal_reported:
+                        self._sender.flush(timeout)
                 finally:
                     self._sender.close()
+                    self._leave()
         finally:
             self._closed = True
             self._shutdown_transport()
             self._finalizer.detach()
             atexit.unregister(self._finalizer)
+
+    def _leave(self) -> None:
+        # The worker stops counting against the session's worker limit; its chunks stay.
+        if self._embedded is not None or self._connection is None:
+            return
+        try:
+            self._connection.call(
+                "Leave", pb.LeaveRequest(session=self.session, worker_id=self.worker_id), 5.0
+            )
+        except RecorderError as exc:
+            logger.info("leaving session %r: %s", self.session, exc)
 
     def _shutdown_transport(self) -> None:
         if self._connection is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,14 @@ class WorkerStatus:
     """Uncompressed bytes of its stored chunks."""
     wire_bytes: int
     """Bytes of its stored chunks as they travelled (compressed)."""
+    sequences_lost: int = 0
+    """Acknowledged chunks the server lost (a power cut under batched fsync); the worker
+    went on from the next sequence."""
+    active: bool = True
+    """False once the worker left (close()) or expired (--worker-ttl): it no longer counts
+    against the worker limit, and its stored chunks stay."""
+    idle_seconds: float = field(default=0.0, compare=False)
+    """Seconds since it last joined or sent a chunk (a clock reading: not compared)."""
 
 
 @dataclass(frozen=True)
@@ -46,3 +54,8 @@ class SessionStatus:
     record_states: bool
     state_fields: tuple[str, ...]
     workers: tuple[WorkerStatus, ...]
+    sequences_lost: int = 0
+    """Acknowledged chunks lost over every worker."""
+    idle_seconds: float = field(default=0.0, compare=False)
+    """Seconds since the session was last used; --session-ttl drops it after that long (a
+    clock reading: not compared)."""

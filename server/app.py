@@ -17,11 +17,13 @@ import grpc
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .durability import Durability, DurabilityOptions, RecoveryReport
+from .lifecycle import Lifecycle
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
 from .rpc.offload import Offload, default_threads
 from .rpc.security import (
     RECORDER_SERVICE_NAME,
     Health,
+    MalformedRequestInterceptor,
     TokenAuthInterceptor,
     add_standard_services,
     load_token,
@@ -86,6 +88,7 @@ class RunningServer:
         health: Health | None = None,
         durability: Durability | None = None,
         recovery: RecoveryReport | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self._loop = loop
         self._thread = thread
@@ -97,6 +100,7 @@ class RunningServer:
         self.health = health
         self.durability = durability
         self.recovery = recovery
+        self.lifecycle = lifecycle
         self._pools = pools
         self._stopped = False
 
@@ -117,6 +121,8 @@ class RunningServer:
         finally:
             for pool in self._pools:
                 pool.shutdown()
+            if self.lifecycle is not None:
+                self.lifecycle.close()
             try:
                 if self.durability is not None:
                     if checkpoint:
@@ -172,6 +178,7 @@ def start_server(options: ServerOptions) -> RunningServer:
         sessions = Sessions(
             options.limits, metrics, None if durability is None else durability.journal
         )
+        lifecycle = Lifecycle(sessions, durability)
         threads = options.threads or default_threads()
         pools = (
             Offload(threads, options.queue or threads, "recorder-ingest"),
@@ -179,7 +186,7 @@ def start_server(options: ServerOptions) -> RunningServer:
         )
         thread.start()
         started = asyncio.run_coroutine_threadsafe(
-            _serve(options, sessions, metrics, durability, pools, token, credentials), loop
+            _serve(options, lifecycle, metrics, pools, token, credentials), loop
         )
         server, address, health, recovery = started.result()
     except BaseException:
@@ -204,14 +211,14 @@ def start_server(options: ServerOptions) -> RunningServer:
         health=health,
         durability=durability,
         recovery=recovery,
+        lifecycle=lifecycle,
     )
 
 
 async def _serve(
     options: ServerOptions,
-    sessions: Sessions,
+    lifecycle: Lifecycle,
     metrics,
-    durability: Durability | None,
     pools: tuple[Offload, Offload],
     token: str | None,
     credentials: grpc.ServerCredentials | None,
@@ -222,10 +229,15 @@ async def _serve(
             ("grpc.max_send_message_length", options.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
-        interceptors=[] if token is None else [TokenAuthInterceptor(token)],
+        # The token first: a call without it learns nothing else.
+        interceptors=[
+            *([] if token is None else [TokenAuthInterceptor(token)]),
+            MalformedRequestInterceptor(),
+        ],
     )
+    sessions, durability = lifecycle.sessions, lifecycle.durability
     ingest, control = pools
-    servicer = RecorderServicer(sessions, metrics, durability, ingest=ingest, control=control)
+    servicer = RecorderServicer(lifecycle, metrics, ingest=ingest, control=control)
     pb_grpc.add_RecorderServicer_to_server(servicer, server)
     health = await add_standard_services(server, [RECORDER_SERVICE_NAME])
     try:
@@ -248,6 +260,7 @@ async def _serve(
         for line in recovery.lines():
             logger.log(level, "recovery: %s", line)
         durability.start_timer(sessions)
+    lifecycle.start()
     await server.start()
     if health is not None:
         await health.set_serving(True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import zstandard
 
 from recorder_client import _wire
 from recorder_client.capture_types import EpisodeOutcome, TrajectoryTrainingConfiguration
@@ -55,14 +56,127 @@ def encoded_array(
     what: str,
     max_raw: int,
 ) -> EncodedArray:
-    """An EncodedArray from a received header, checked before anything is allocated."""
+    """An EncodedArray from a received header, checked before anything is allocated or
+    decompressed: sizes in Python ints (no overflow), at most ``max_raw`` bytes even when a
+    dimension is empty, and the bytes exactly one zstd frame of that size (or the raw bytes)."""
     try:
         parsed, dims = _wire.check_header(dtype, shape, raw_size, what, max_raw)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    if codec not in (_wire.CODEC_RAW, _wire.CODEC_ZSTD):
+    # An empty dimension makes the raw size 0 whatever the others are; numpy and every
+    # per-step or per-environment buffer still see them, so they are bounded as well.
+    extent = parsed.itemsize
+    for s in dims:
+        extent *= max(s, 1)
+    if extent > max_raw:
+        raise invalid(
+            f"{what}.shape: expected at most {max_raw} bytes counting each empty dimension as "
+            f"one, got shape {list(dims)} of {parsed.str!r}"
+        )
+    if codec == _wire.CODEC_RAW:
+        if len(data) != raw_size:
+            raise invalid(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
+    elif codec == _wire.CODEC_ZSTD:
+        check_frame(data, raw_size, f"{what}.data")
+    else:
         raise invalid(f"{what}.codec: expected CODEC_ZSTD (2) or CODEC_RAW (1), got {codec}")
     return EncodedArray(parsed, dims, codec, data)
+
+
+def array_label(what: str, key: str) -> str:
+    """How messages name array ``key`` of a chunk or episode (``chunk.states['x']``)."""
+    if key.startswith(STATE):
+        return f"{what}.states[{_wire.shown(key[len(STATE) :])}]"
+    return f"{what}.{key}"
+
+
+def check_size(
+    arrays: Mapping[str, EncodedArray],
+    what: str,
+    max_bytes: int,
+    max_env_steps: int,
+    *,
+    time_axes: int,
+) -> None:
+    """RequestError INVALID when a chunk (``time_axes=2``: arrays are (T, N, ...)) or an
+    episode (``time_axes=1``: (L, ...)) is bigger than a server takes: the raw bytes of all its
+    arrays together, and its env steps (T x N or L, an empty axis counted as one), which cost
+    the server bookkeeping whatever their bytes. Headers only: nothing is decompressed."""
+    total = sum(a.nbytes for a in arrays.values())
+    if total > max_bytes:
+        raise invalid(
+            f"{what}.raw_size: expected at most {max_bytes} bytes in all its arrays together "
+            f"(the server's --max-chunk-mib), got {total}"
+        )
+    for key, a in arrays.items():
+        steps = 1
+        for s in a.shape[:time_axes]:
+            steps *= max(s, 1)
+        if steps > max_env_steps:
+            axes = "T x N" if time_axes == 2 else "L"
+            raise invalid(
+                f"{array_label(what, key)}.shape: expected at most {max_env_steps} env steps "
+                f"({axes}, the server's --max-chunk-env-steps), got shape {list(a.shape)}"
+            )
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_DICT_ID_BYTES = (0, 1, 2, 4)
+_CONTENT_SIZE_BYTES = (0, 2, 4, 8)
+
+
+def zstd_frame_size(data: bytes | memoryview) -> int:
+    """How many bytes the zstd frame at the start of ``data`` takes, read from its frame and
+    block headers (RFC 8878), without decompressing; ValueError when there is no complete
+    frame."""
+    view = memoryview(data).cast("B")
+    size = len(view)
+    if size < 5 or bytes(view[:4]) != _ZSTD_MAGIC:
+        raise ValueError("not a zstd frame (bad magic)")
+    descriptor = view[4]
+    if descriptor & 0x08:
+        raise ValueError("not a zstd frame (reserved header bit set)")
+    single_segment = (descriptor >> 5) & 1
+    content_bytes = _CONTENT_SIZE_BYTES[descriptor >> 6] or single_segment
+    pos = 5 + (1 - single_segment) + _DICT_ID_BYTES[descriptor & 3] + content_bytes
+    while True:
+        if pos + 3 > size:
+            raise ValueError(f"truncated zstd frame (a block header at byte {pos} of {size})")
+        header = view[pos] | view[pos + 1] << 8 | view[pos + 2] << 16
+        kind = (header >> 1) & 3
+        if kind == 3:
+            raise ValueError(f"corrupt zstd frame (reserved block type at byte {pos})")
+        pos += 3 + (1 if kind == 1 else header >> 3)
+        if pos > size:
+            raise ValueError(f"truncated zstd frame (a block ends at byte {pos} of {size})")
+        if header & 1:
+            break
+    if (descriptor >> 2) & 1:
+        pos += 4
+        if pos > size:
+            raise ValueError(f"truncated zstd frame (its checksum ends at byte {pos} of {size})")
+    return pos
+
+
+def check_frame(data: bytes | memoryview, raw_size: int, what: str) -> None:
+    """RequestError INVALID unless ``data`` is exactly one zstd frame that declares
+    ``raw_size`` bytes of content (a bomb declares less than it holds, or trails junk)."""
+    try:
+        content = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise invalid(f"{what}: expected a zstd frame, got {len(data)} bytes ({exc})") from None
+    if content != raw_size:
+        declared = "no size" if content < 0 else f"{content} bytes"
+        raise invalid(f"{what}: expected a zstd frame of {raw_size} bytes, it declares {declared}")
+    try:
+        end = zstd_frame_size(data)
+    except ValueError as exc:
+        raise invalid(f"{what}: expected one whole zstd frame, got {exc}") from None
+    if end != len(data):
+        raise invalid(
+            f"{what}: expected the zstd frame alone, got {len(data) - end} bytes after its "
+            f"{end} bytes"
+        )
 
 
 @dataclass
@@ -204,10 +318,10 @@ def decode_chunk(
     allowed = set(config.state_fields) if config.record_states else set()
     sent = [k[len(STATE) :] for k in arrays if k.startswith(STATE)]
     for name in sent:
-        what = f"chunk.states[{name!r}]"
+        what = array_label("chunk", STATE + name)
         if name not in allowed:
             expected = sorted(allowed) if allowed else "none (record_states is off)"
-            raise invalid(f"chunk.states: expected fields from {expected}, got {name!r}")
+            raise invalid(f"chunk.states: expected fields from {expected}, got {_wire.shown(name)}")
         shape = list(arrays[STATE + name].shape)
         if len(shape) < 2 or shape[:2] != tn:
             raise invalid(f"{what}: expected shape starting with {tn} (T, N), got {shape}")

@@ -16,6 +16,8 @@ class ErrorKind(enum.Enum):
 
     INVALID = "invalid"
     """A malformed or inconsistent request: fix the request."""
+    INVALID_NAME = "invalid_name"
+    """A session name or worker id outside the naming rule."""
     SESSION_MISMATCH = "session_mismatch"
     """The session exists with another configuration."""
     UNKNOWN_SESSION = "unknown_session"

@@ -6,12 +6,14 @@ names the field, what was expected and what arrived; a refused request changes n
 
 from __future__ import annotations
 
+import collections
 import enum
-import re
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+from recorder_client import _wire
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
 from recorder_client.status import SessionStatus, WorkerStatus
 
@@ -23,7 +25,11 @@ from .errors import ErrorKind, RequestError, invalid
 from .ingest import ChunkEpisodes, EpisodeFeeder
 from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
-SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+logger = logging.getLogger(__name__)
+
+# Workers forgotten after leaving or expiring whose last sequence a session remembers, so
+# that one joining again resumes where it was; the oldest go first beyond this many.
+MAX_FORGOTTEN = 65536
 
 # Appends one write-ahead log record (a list of buffers) before a change is acknowledged.
 Journal = Callable[[list], None]
@@ -50,23 +56,21 @@ class Applied(enum.Enum):
     """Taken before (a resend): nothing changed."""
 
 
-def _shown(text: str) -> str:
-    return repr(text) if len(text) <= 64 else f"{text[:64]!r}... ({len(text)} characters)"
+_shown = _wire.shown
 
 
 def check_session_name(name: str) -> str:
-    if not SESSION_NAME.fullmatch(name or ""):
-        raise invalid(
-            "session: expected 1-128 characters from [A-Za-z0-9._-] not starting with '.', "
-            f"got {_shown(name)}"
-        )
-    return name
+    try:
+        return _wire.check_session_name(name)
+    except ValueError as exc:
+        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
 
 
 def check_worker_id(worker_id: str) -> str:
-    if not worker_id or len(worker_id) > 128 or not worker_id.isprintable():
-        raise invalid(f"worker_id: expected 1-128 printable characters, got {_shown(worker_id)}")
-    return worker_id
+    try:
+        return _wire.check_worker_id(worker_id)
+    except ValueError as exc:
+        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
 
 
 class SessionMetrics:
@@ -98,10 +102,19 @@ class Session:
         self.max_workers = max_workers
         self.journal = journal
         self.lock = threading.RLock()
+        # Every worker whose chunks the session holds, and every active one, in join order.
         self.workers: dict[str, WorkerTimeline] = {}
         self.last_sequence: dict[str, int] = {}
         self._worker_locks: dict[str, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
+        # Workers that count against max_workers: joined, and neither left nor expired.
+        self.active: set[str] = set()
+        # Last sequence of workers forgotten (left or expired without stored chunks).
+        self.forgotten: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.sequences_lost: dict[str, int] = {}
+        self.next_index = 0
+        self.last_used = time.monotonic()
+        self.dropped = False
         self.processor = TrajectoryCaptureProcessor(
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
@@ -119,6 +132,10 @@ class Session:
     def close(self) -> None:
         self.feeder.close()
 
+    def touch(self) -> None:
+        """The session was used now (--session-ttl counts from here)."""
+        self.last_used = time.monotonic()
+
     # -- workers ---------------------------------------------------------
     def check_join(self, worker_id: str, config: SessionConfig) -> None:
         """Raise RequestError unless join(worker_id, config) would succeed."""
@@ -130,38 +147,108 @@ class Session:
                     f"session mismatch: session {self.name!r} was created with "
                     f"{self.config.describe_difference(config)}",
                 )
-            if worker_id not in self.workers and len(self.workers) >= self.max_workers:
+            if worker_id not in self.active and len(self.active) >= self.max_workers:
                 raise RequestError(
                     ErrorKind.LIMIT,
                     f"workers: session {self.name!r} allows at most {self.max_workers} "
-                    f"workers, got one more ({_shown(worker_id)})",
+                    f"active workers, got one more ({_shown(worker_id)}); workers leave on "
+                    "close() or after --worker-ttl",
                 )
 
-    def join(self, worker_id: str, config: SessionConfig) -> WorkerTimeline:
+    def needs_log(self, worker_id: str, acked: int) -> bool:
+        """Whether joining would change anything a restart must know."""
+        with self.lock:
+            return worker_id not in self.active or acked > self.last_sequence.get(worker_id, 0)
+
+    def join(
+        self, worker_id: str, config: SessionConfig, acked: int = 0
+    ) -> tuple[WorkerTimeline, int]:
+        """Add (or resume) a worker; returns its timeline and the last sequence held.
+
+        ``acked``: the highest sequence the client saw acknowledged. When the session holds
+        less, the chunks in between were lost after their ack: they are counted, and the
+        worker goes on from ``acked + 1``.
+        """
         with self.lock:
             self.check_join(worker_id, config)
             timeline = self.workers.get(worker_id)
             if timeline is None:
-                timeline = self.add_worker(worker_id, len(self.workers), 0)
-            return timeline
+                last = self.forgotten.pop(worker_id, 0)
+                timeline = self.add_worker(worker_id, self.next_index, last)
+            self.active.add(worker_id)
+            self.last_seen[worker_id] = time.monotonic()
+            self.touch()
+        with self._worker_locks[worker_id]:
+            held = self.last_sequence[worker_id]
+            if acked > held:
+                lost = acked - held
+                self.last_sequence[worker_id] = acked
+                self.sequences_lost[worker_id] = self.sequences_lost.get(worker_id, 0) + lost
+                self.metrics.inc("Recorder/sequences_lost", lost, session=self.name)
+                logger.warning(
+                    "session %r, worker %r: chunks %d..%d were acknowledged but are not held "
+                    "(lost after their ack, e.g. by a power cut under batched fsync); the "
+                    "worker goes on from %d",
+                    self.name,
+                    worker_id,
+                    held + 1,
+                    acked,
+                    acked + 1,
+                )
+        return timeline, held
 
     def add_worker(self, worker_id: str, index: int, last_sequence: int) -> WorkerTimeline:
         timeline = WorkerTimeline(worker_id, index)
         self.workers[worker_id] = timeline
         self.last_sequence[worker_id] = last_sequence
         self._worker_locks[worker_id] = threading.Lock()
+        self.next_index = max(self.next_index, index + 1)
         return timeline
 
+    def leave(self, worker_id: str) -> bool:
+        """The worker stops counting against max_workers; one without stored chunks is
+        forgotten (its last sequence remembered). False when it was not active."""
+        lock = self._worker_locks.get(worker_id)
+        if lock is None:
+            return False
+        with lock, self.lock:
+            if worker_id not in self.active:
+                return False
+            self.active.discard(worker_id)
+            timeline = self.workers.get(worker_id)
+            if timeline is not None and not timeline.chunks:
+                self._forget(worker_id)
+            return True
+
+    def _forget(self, worker_id: str) -> None:
+        # Call with the worker's lock and the session lock held.
+        del self.workers[worker_id]
+        self.forgotten[worker_id] = self.last_sequence.pop(worker_id)
+        self.forgotten.move_to_end(worker_id)
+        while len(self.forgotten) > MAX_FORGOTTEN:
+            self.forgotten.popitem(last=False)
+        self._worker_locks.pop(worker_id, None)
+        self.last_seen.pop(worker_id, None)
+
+    def idle_workers(self, now: float, ttl: float) -> list[str]:
+        """Active workers that neither joined nor sent a chunk for ``ttl`` seconds."""
+        with self.lock:
+            # A worker restored from a checkpoint is seen first by the sweep.
+            return [w for w in self.active if now - self.last_seen.setdefault(w, now) >= ttl]
+
     def worker(self, worker_id: str) -> WorkerTimeline:
-        # Workers are only ever added (under the lock); a lookup needs no lock.
+        # Workers are added and forgotten under the lock; a lookup needs no lock.
         timeline = self.workers.get(worker_id)
-        if timeline is None:
-            raise RequestError(
-                ErrorKind.NOT_JOINED,
-                f"worker_id: expected a worker that joined session {self.name!r}, "
-                f"got {_shown(worker_id)}",
-            )
+        if timeline is None or worker_id not in self.active:
+            raise self._not_joined(worker_id)
         return timeline
+
+    def _not_joined(self, worker_id: str) -> RequestError:
+        return RequestError(
+            ErrorKind.NOT_JOINED,
+            f"worker_id: expected a worker that joined session {self.name!r} (and did not "
+            f"leave or expire), got {_shown(worker_id)}",
+        )
 
     @property
     def is_full(self) -> bool:
@@ -172,7 +259,12 @@ class Session:
         """Take one chunk of a worker. With a journal, the chunk is in the write-ahead log
         before anything changes (log=False when replaying that log)."""
         timeline = self.worker(worker_id)
-        with self._worker_locks[worker_id]:
+        lock = self._worker_locks.get(worker_id) or threading.Lock()
+        with lock:
+            if self.dropped:
+                raise RequestError(ErrorKind.UNKNOWN_SESSION, f"session: {self.name!r} was dropped")
+            if self.workers.get(worker_id) is not timeline or worker_id not in self.active:
+                raise self._not_joined(worker_id)
             seq = chunk.sequence
             last = self.last_sequence[worker_id]
             if seq <= last:
@@ -185,13 +277,17 @@ class Session:
             # The sequence is consumed whatever happens next, so a refused chunk never
             # blocks the ones behind it.
             self.last_sequence[worker_id] = seq
-            self.last_seen[worker_id] = time.monotonic()
+            self.last_seen[worker_id] = self.last_used = time.monotonic()
             if self.is_full:
                 return self._drop_full(timeline)
             if chunk.refused is not None:
                 raise chunk.refused
             decoded = decode_chunk(chunk, self.config, self.feeder.alloc)
             with self.lock:
+                if self.dropped:
+                    raise RequestError(
+                        ErrorKind.UNKNOWN_SESSION, f"session: {self.name!r} was dropped"
+                    )
                 if self.is_full:
                     return self._drop_full(timeline)
                 check_schema(self.schema, timeline.num_envs, decoded)
@@ -249,6 +345,7 @@ class Session:
     # -- results ---------------------------------------------------------
     def assemble(self, pad_incomplete: bool) -> Assembly:
         with self.lock:
+            self.touch()
             try:
                 return assemble(
                     list(self.workers.values()),
@@ -265,6 +362,7 @@ class Session:
         with self.lock:
             if log and self.journal is not None:
                 self._journal(records.reset(self.name))
+            self.touch()
             self.feeder.reset()
             if self.processor.store is not None:
                 # Stored episodes still read from this session's chunks: encoded first.
@@ -272,8 +370,13 @@ class Session:
             for timeline in self.workers.values():
                 timeline.clear()
             self.clear_counters()
+            # Workers that left or expired held a place only for their chunks.
+            for worker_id in [w for w in self.workers if w not in self.active]:
+                with self._worker_locks[worker_id]:
+                    self._forget(worker_id)
 
     def status(self) -> SessionStatus:
+        now = time.monotonic()
         with self.lock:
             workers = tuple(
                 WorkerStatus(
@@ -287,6 +390,9 @@ class Session:
                     episodes_finished=tl.episodes_finished,
                     raw_bytes=tl.raw_bytes,
                     wire_bytes=tl.wire_bytes,
+                    sequences_lost=self.sequences_lost.get(tl.worker_id, 0),
+                    active=tl.worker_id in self.active,
+                    idle_seconds=max(0.0, now - self.last_seen.get(tl.worker_id, now)),
                 )
                 for tl in self.workers.values()
             )
@@ -303,6 +409,8 @@ class Session:
                 record_states=self.config.record_states,
                 state_fields=self.config.state_fields,
                 workers=workers,
+                sequences_lost=sum(self.sequences_lost.values()),
+                idle_seconds=max(0.0, now - self.last_used),
             )
 
     # -- trajectory store ------------------------------------------------
@@ -312,6 +420,7 @@ class Session:
 
     def submit_episode(self, episode: SubmittedEpisode, *, log: bool = True) -> int:
         """Record one whole episode (emulator-style producers); returns the episodes captured."""
+        self.touch()
         self.drain()
         try:
             outcome = EpisodeOutcome(episode.outcome)
@@ -359,10 +468,12 @@ class Session:
             )
 
     def sample_start(self) -> tuple[TrajectorySliceReference, EpisodeArrays] | None:
+        self.touch()
         self.drain()
         return self.processor.sample_start()
 
     def snapshot_potential(self, utility_key: str, field_names: list[str]) -> dict:
+        self.touch()
         self.drain()
         try:
             return self.processor.snapshot_potential(utility_key, field_names)

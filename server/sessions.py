@@ -26,9 +26,28 @@ class ServiceLimits:
     max_sessions: int = 64
     """Sessions held at once."""
     max_workers_per_session: int = 1024
-    """Workers one session takes."""
+    """Active workers one session takes (a worker that left or expired does not count)."""
+    session_ttl_s: float = 0.0
+    """Drop a session unused this long (no join, chunk, finish, reset or store verb);
+    0: never."""
+    worker_ttl_s: float = 600.0
+    """A worker that neither joined nor sent a chunk this long expires: it stops counting
+    against max_workers_per_session, and its chunks stay (it resumes by joining again);
+    0: never."""
     max_array_bytes: int = 1 << 31
     """Largest raw size of one received array."""
+    max_chunk_bytes: int = 256 << 20
+    """Largest raw size of one chunk or submitted episode, all its arrays together, as their
+    headers declare (checked before anything is decompressed). 256 MiB holds a chunk of
+    T=128 steps of N=64 environments with 84x84x4 uint8 observations (231 MB)."""
+    max_chunk_env_steps: int = 1 << 21
+    """Most env steps (T x N, an empty axis counted as one) in one chunk, or steps in one
+    submitted episode: the server keeps about 200 bytes of bookkeeping per env step while it
+    splits a chunk, whatever its arrays weigh. 2**21 is T=128 steps of N=16,384
+    environments."""
+    max_upload_bytes: int = 1 << 30
+    """Largest runtime state or store checkpoint a client may load: as sent, and as decoded
+    when it arrives compressed."""
 
 
 class Sessions:
@@ -52,9 +71,16 @@ class Sessions:
         )
 
     def join(
-        self, name: str, config: SessionConfig, worker_id: str, *, log: bool = True
-    ) -> Session:
-        """Create the session on first use and add the worker; logged before it counts."""
+        self,
+        name: str,
+        config: SessionConfig,
+        worker_id: str,
+        acked: int = 0,
+        *,
+        log: bool = True,
+    ) -> tuple[Session, int]:
+        """Create the session on first use and add (or resume) the worker; logged before it
+        counts. Returns the session and the last sequence it held for the worker."""
         name = check_session_name(name)
         with self._lock:
             session = self._sessions.get(name)
@@ -63,24 +89,63 @@ class Sessions:
                     raise RequestError(
                         ErrorKind.LIMIT,
                         f"session: this server allows at most {self.limits.max_sessions} "
-                        f"sessions, got a new one ({name!r})",
+                        f"sessions, got a new one ({name!r}); drop finished ones "
+                        "(rollout-recorder sessions drop, or serve --session-ttl)",
                     )
                 session = self._new(name, config)
                 try:
                     session.check_join(worker_id, config)
                     if log and self.journal is not None:
-                        append(self.journal, records.join(name, worker_id, config))
+                        append(self.journal, records.join(name, worker_id, config, acked))
                 except BaseException:
                     session.close()
                     raise
                 self._sessions[name] = session
                 logger.info("session %r created: %s", name, config)
-            elif worker_id not in session.workers:
+            elif session.needs_log(worker_id, acked):
                 session.check_join(worker_id, config)
                 if log and self.journal is not None:
-                    append(self.journal, records.join(name, worker_id, config))
-            session.join(worker_id, config)
-            return session
+                    append(self.journal, records.join(name, worker_id, config, acked))
+            _timeline, held = session.join(worker_id, config, acked)
+            return session, held
+
+    def leave(self, name: str, worker_id: str, *, expired: bool = False, log: bool = True) -> None:
+        """The worker no longer counts against the session's worker limit (logged)."""
+        session = self.get(name)
+        with self._lock:
+            if worker_id not in session.active:
+                return
+            if log and self.journal is not None:
+                append(self.journal, records.leave(name, worker_id, expired=expired))
+            session.leave(worker_id)
+        logger.info(
+            "worker %r %s session %r", worker_id, "expired from" if expired else "left", name
+        )
+
+    def drop(self, name: str, *, log: bool = True) -> None:
+        """Forget a session and everything it holds (logged; the caller checkpoints)."""
+        with self._lock:
+            session = self.get(name)
+            with session.lock:
+                if log and self.journal is not None:
+                    append(self.journal, records.drop(name))
+                session.dropped = True
+                del self._sessions[name]
+        session.close()
+        logger.info("session %r dropped", name)
+
+    def idle(self, now: float, session_ttl: float, worker_ttl: float):
+        """Sessions idle for session_ttl, and (session, worker) pairs idle for worker_ttl
+        (a ttl of 0: never)."""
+        sessions = self.all()
+        stale = [s.name for s in sessions if session_ttl and now - s.last_used >= session_ttl]
+        workers = [
+            (s.name, w)
+            for s in sessions
+            if worker_ttl and s.name not in stale
+            for w in s.idle_workers(now, worker_ttl)
+        ]
+        return stale, workers
 
     def get(self, name: str) -> Session:
         check_session_name(name)
@@ -140,7 +205,12 @@ class Sessions:
             return
         try:
             if record.kind == records.JOIN:
-                self.join(record.session, record.body, record.worker, log=False)
+                join = record.body
+                self.join(record.session, join.config, record.worker, join.acked, log=False)
+            elif record.kind == records.LEAVE:
+                self.leave(record.session, record.worker, expired=bool(record.body), log=False)
+            elif record.kind == records.DROP:
+                self.drop(record.session, log=False)
             elif record.kind == records.CHUNK:
                 self.get(record.session).apply(record.worker, record.body, log=False)
             elif record.kind == records.RESET:

@@ -33,6 +33,11 @@ EXPECTED = {
     "Trajectory",
     "WorkerStatus",
     "__version__",
+    "DataLossError",
+    "InvalidNameError",
+    "UnknownSessionError",
+    "drop_session",
+    "list_sessions",
 }
 
 
@@ -44,6 +49,10 @@ def test_exported_names_are_pinned():
 
 def test_errors_are_the_python_exceptions_users_catch():
     assert issubclass(recorder_client.NoDataError, ValueError)
+    assert issubclass(recorder_client.InvalidNameError, ValueError)
+    assert not issubclass(recorder_client.InvalidNameError, recorder_client.InvalidChunkError)
+    assert issubclass(recorder_client.UnknownSessionError, LookupError)
+    assert issubclass(recorder_client.DataLossError, recorder_client.RecorderError)
     assert issubclass(recorder_client.InvalidChunkError, ValueError)
     assert issubclass(recorder_client.SessionMismatchError, ValueError)
     assert issubclass(recorder_client.RecorderUnavailableError, ConnectionError)

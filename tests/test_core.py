@@ -144,9 +144,9 @@ def _session(max_episodes=None, **kw) -> Session:
 def test_workers_join_in_order_and_a_different_configuration_is_refused():
     session = _session(max_workers=2)
     try:
-        assert session.join("a", session.config).index == 0
-        assert session.join("b", session.config).index == 1
-        assert session.join("a", session.config).index == 0  # a rejoin keeps its place
+        assert session.join("a", session.config)[0].index == 0
+        assert session.join("b", session.config)[0].index == 1
+        assert session.join("a", session.config)[0].index == 0  # a rejoin keeps its place
         other = SessionConfig(5, False, ())
         with pytest.raises(RequestError) as caught:
             session.join("c", other)
@@ -269,7 +269,7 @@ def test_replaying_the_log_rebuilds_the_sessions_exactly():
     rng = np.random.default_rng(5)
     try:
         for w in ("a", "b"):
-            session = live.join("run", config, w)
+            session, _ = live.join("run", config, w)
         for seq in range(1, 4):
             for w in ("a", "b"):
                 session.apply(
@@ -308,7 +308,7 @@ def test_the_registry_refuses_bad_names_and_too_many_sessions():
         for name in ("../x", "", ".hidden", "a/b", "x" * 129):
             with pytest.raises(RequestError) as caught:
                 sessions.join(name, config, "w")
-            assert caught.value.kind == ErrorKind.INVALID
+            assert caught.value.kind == ErrorKind.INVALID_NAME
         long = "y" * 10_000
         with pytest.raises(RequestError) as caught:
             sessions.join(long, config, "w")

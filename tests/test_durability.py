@@ -164,7 +164,7 @@ def test_kill_9_while_four_workers_stream_loses_nothing(durable):
     assert "replayed" in server.stderr()
 
 
-def record_chunks(target, n, seed=0, session="s"):
+def record_chunks(target, n, seed=0, session="s", after_flush=lambda: None):
     rng = np.random.default_rng(seed)
     chunks = []
     with RolloutRecorder(target=target, session=session, worker_id="one") as rec:
@@ -177,6 +177,7 @@ def record_chunks(target, n, seed=0, session="s"):
             rec.record(c)
             chunks.append(c)
         rec.flush()
+        after_flush()
     return chunks
 
 
@@ -189,13 +190,18 @@ def reference(chunks):
 
 def test_torn_log_tail_is_dropped_and_reported(durable):
     server = durable("--wal-fsync", "always").start()
-    chunks = record_chunks(server.address, 6)
+    sizes = []
+
+    def log_size():
+        sizes.append(sorted((server.data_dir / "wal").glob("wal-*.log"))[-1].stat().st_size)
+
+    chunks = record_chunks(server.address, 6, after_flush=log_size)
     server.kill9()
     segments = sorted((server.data_dir / "wal").glob("wal-*.log"))
     last = segments[-1]
-    size = last.stat().st_size
     with open(last, "r+b") as fh:
-        fh.truncate(size - 10)  # mid-way through the last record
+        # Mid-way through the last chunk's record (the worker's leave record follows it).
+        fh.truncate(sizes[0] - 10)
     server.start()
     log = server.stderr()
     assert "dropped a torn log tail: 1 record(s)" in log

@@ -140,6 +140,7 @@ def test_bad_chunk_raises_and_session_stays_intact(target, case):
     good = vars(traj)
     with RolloutRecorder(target=target, session=f"bad-{case.replace(' ', '-')}") as rec:
         rec.record(good)
+        rec.flush()  # stored: the worker's layout is fixed, and checked at record()
         with pytest.raises(InvalidChunkError) as info:
             rec.record(BAD_INPUTS[case](good))
         msg = str(info.value)
@@ -157,6 +158,7 @@ def test_state_field_set_change_is_refused(target):
     with RolloutRecorder(record_states=True, target=target, session="states") as rec:
         traj, states = make_chunk(rng)
         rec.record(traj, states)
+        rec.flush()
         with pytest.raises(InvalidChunkError, match="state fields"):
             rec.record(traj, {"player_positions": states["player_positions"]})
         with pytest.raises(InvalidChunkError, match=r"player_positions.shape"):

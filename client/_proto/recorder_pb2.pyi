@@ -51,14 +51,16 @@ class SessionConfig(_message.Message):
     def __init__(self, max_episodes: _Optional[int] = ..., record_states: _Optional[bool] = ..., state_fields: _Optional[_Iterable[str]] = ..., capture_config_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("session", "config", "worker_id")
+    __slots__ = ("session", "config", "worker_id", "acked_sequence")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     session: str
     config: SessionConfig
     worker_id: str
-    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    acked_sequence: int
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("worker_index", "last_sequence", "status")
@@ -211,7 +213,7 @@ class StatusRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes")
+    __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes", "sequences_lost", "active", "idle_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +224,9 @@ class WorkerStatus(_message.Message):
     EPISODES_FINISHED_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_LOST_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_index: int
     num_envs: int
@@ -232,10 +237,13 @@ class WorkerStatus(_message.Message):
     episodes_finished: int
     raw_bytes: int
     wire_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
+    sequences_lost: int
+    active: bool
+    idle_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sequences_lost: _Optional[int] = ..., active: _Optional[bool] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers")
+    __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers", "sequences_lost", "idle_seconds")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     IS_FULL_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +254,8 @@ class StatusReply(_message.Message):
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_LOST_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session: str
     config: SessionConfig
     is_full: bool
@@ -256,7 +266,9 @@ class StatusReply(_message.Message):
     raw_bytes: int
     wire_bytes: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    sequences_lost: int
+    idle_seconds: float
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., sequences_lost: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ()
@@ -411,3 +423,55 @@ class CheckpointReply(_message.Message):
     path: str
     wal_index: int
     def __init__(self, path: _Optional[str] = ..., wal_index: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("session", "worker_id")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    worker_id: str
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("name", "workers", "episodes", "raw_bytes", "wire_bytes", "idle_seconds", "num_recorded_steps", "is_full")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECORDED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    IS_FULL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    workers: int
+    episodes: int
+    raw_bytes: int
+    wire_bytes: int
+    idle_seconds: float
+    num_recorded_steps: int
+    is_full: bool
+    def __init__(self, name: _Optional[str] = ..., workers: _Optional[int] = ..., episodes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., num_recorded_steps: _Optional[int] = ..., is_full: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsReply(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
+
+class DropSessionRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class DropSessionReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

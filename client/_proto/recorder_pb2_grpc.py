@@ -104,6 +104,21 @@ class RecorderStub:
                 request_serializer=recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=recorder_dot_v1_dot_recorder__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/recorder.v1.Recorder/Leave',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.LeaveReply.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/recorder.v1.Recorder/ListSessions',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.ListSessionsReply.FromString,
+                _registered_method=True)
+        self.DropSession = channel.unary_unary(
+                '/recorder.v1.Recorder/DropSession',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.DropSessionReply.FromString,
+                _registered_method=True)
 
 
 class RecorderServicer:
@@ -228,6 +243,30 @@ class RecorderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A worker is done with its session: it no longer counts against the
+        session's worker limit. Its stored chunks stay; a worker without any is
+        forgotten. Joining again with the same id resumes it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """One summary per session the server holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropSession(self, request, context):
+        """Drop a session: its memory, its write-ahead log records and its checkpoint
+        entries, durably, before the reply. NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecorderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +339,21 @@ def add_RecorderServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.FromString,
                     response_serializer=recorder_dot_v1_dot_recorder__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.LeaveRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.LeaveReply.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.ListSessionsRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.ListSessionsReply.SerializeToString,
+            ),
+            'DropSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropSession,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.DropSessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -680,6 +734,87 @@ class Recorder:
             '/recorder.v1.Recorder/Checkpoint',
             recorder_dot_v1_dot_recorder__pb2.CheckpointRequest.SerializeToString,
             recorder_dot_v1_dot_recorder__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/Leave',
+            recorder_dot_v1_dot_recorder__pb2.LeaveRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/ListSessions',
+            recorder_dot_v1_dot_recorder__pb2.ListSessionsRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.ListSessionsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/DropSession',
+            recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.DropSessionReply.FromString,
             options,
             channel_credentials,
             insecure,

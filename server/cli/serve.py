@@ -22,8 +22,9 @@ from ..sessions import ServiceLimits
 
 logger = logging.getLogger("recorder_server")
 
-# Seconds a stop may take beyond --grace (the last checkpoint) before the process exits anyway.
-STOP_DEADLINE_S = 30.0
+# Seconds a stop may take beyond --grace (the last checkpoint) before the process exits anyway:
+# the log holds everything acknowledged, and the kernel releases the data directory's lock.
+STOP_DEADLINE_S = 4.0
 
 
 def _watch_stdin(stop: threading.Event) -> None:
@@ -45,7 +46,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         max_message_bytes=args.max_message_mib << 20,
         limits=ServiceLimits(
-            max_sessions=args.max_sessions, max_workers_per_session=args.max_workers
+            max_chunk_bytes=args.max_chunk_mib << 20,
+            max_chunk_env_steps=args.max_chunk_env_steps,
+            max_upload_bytes=args.max_upload_mib << 20,
+            max_sessions=args.max_sessions,
+            max_workers_per_session=args.max_workers,
+            session_ttl_s=args.session_ttl,
+            worker_ttl_s=args.worker_ttl,
         ),
         token_file=args.token_file,
         tls_cert=args.tls_cert,
@@ -116,8 +123,57 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "stream holds no thread",
     )
     serve.add_argument("--max-message-mib", type=int, default=256, help="gRPC message cap")
-    serve.add_argument("--max-sessions", type=int, default=64)
-    serve.add_argument("--max-workers", type=int, default=1024, help="workers per session")
+    serve.add_argument(
+        "--max-chunk-mib",
+        type=int,
+        default=ServiceLimits.max_chunk_bytes >> 20,
+        help="raw MiB of one chunk or submitted episode, all its arrays together, checked "
+        "from their headers before anything is decompressed (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-chunk-env-steps",
+        type=int,
+        default=ServiceLimits.max_chunk_env_steps,
+        help="env steps (T x N) of one chunk, or steps of one submitted episode: each costs "
+        "about 200 bytes while the chunk is split (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-upload-mib",
+        type=int,
+        default=ServiceLimits.max_upload_bytes >> 20,
+        help="MiB of one runtime state or store checkpoint a client loads, as sent and as "
+        "decoded (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=64,
+        help="sessions held at once; dropping one frees its place (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-workers",
+        type=int,
+        default=1024,
+        help="active workers per session; a worker that left or expired does not count "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--session-ttl",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="drop a session unused this long: no join, chunk, finish, reset or store call "
+        "(its data is deleted, durably); default 0: never",
+    )
+    serve.add_argument(
+        "--worker-ttl",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a worker that neither joins nor sends a chunk this long expires: it no longer "
+        "counts against --max-workers, its chunks stay, and it resumes by joining again "
+        "(clients do so by themselves); 0: never; default %(default)s",
+    )
     serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on stop")
     serve.add_argument(
         "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"

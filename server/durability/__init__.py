@@ -50,7 +50,13 @@ class RecoveryReport:
     dropped_bytes: int = 0
     dropped_records: int = 0
     dropped_segment: str | None = None
+    dropped_offset: int = 0
+    dropped_index: int | None = None
+    """Index the torn record would have had."""
     corruptions: list[str] = field(default_factory=list)
+    loss_checkpoint: str | None = None
+    """A checkpoint written at once after unreadable records, so that the next start
+    replays from past them and reports nothing again."""
 
     @property
     def notable(self) -> bool:
@@ -71,11 +77,18 @@ class RecoveryReport:
             out.append(f"loaded checkpoint {self.checkpoint} ({self.sessions} sessions)")
         out.append(f"replayed {self.replayed_records} log records")
         if self.dropped_bytes or self.dropped_records:
+            index = "" if self.dropped_index is None else f" (index {self.dropped_index})"
             out.append(
-                f"dropped a torn log tail: {self.dropped_records} record(s), "
-                f"{self.dropped_bytes} bytes in {self.dropped_segment}"
+                f"dropped a torn log tail: {self.dropped_records} record(s){index}, never "
+                f"wholly written: {self.dropped_bytes} bytes at offset {self.dropped_offset} "
+                f"of {self.dropped_segment}"
             )
         out.extend(f"log corruption: {c}" for c in self.corruptions)
+        if self.loss_checkpoint:
+            out.append(
+                f"wrote checkpoint {self.loss_checkpoint} so that the next start replays from "
+                "past the unreadable records"
+            )
         return out
 
 
@@ -114,6 +127,9 @@ class Durability:
         report.dropped_segment = (
             None if result.dropped_segment is None else str(result.dropped_segment)
         )
+        if result.torn_tail is not None:
+            report.dropped_offset = result.torn_tail.offset
+            report.dropped_index = result.torn_tail.index
         report.corruptions = [str(c) for c in result.corruptions]
         self.wal = WriteAheadLog(
             wal_dir,
@@ -123,6 +139,12 @@ class Durability:
             start_index=max(cut, result.next_index),
         )
         sessions.drain()
+        if result.corruptions:
+            # Reported once: the next start replays from this checkpoint, past them.
+            try:
+                report.loss_checkpoint = str(self.checkpoint(sessions)[0])
+            except OSError as exc:
+                logger.error("checkpoint after recovery failed: %s", exc)
         return report
 
     # -- writing -----------------------------------------------------------
@@ -131,8 +153,11 @@ class Durability:
         assert self.wal is not None
         self.wal.append(record)
 
-    def checkpoint(self, sessions: Any) -> tuple[Path, int]:
-        """Write every session atomically, then drop the log behind it."""
+    def checkpoint(self, sessions: Any, *, purge: bool = False) -> tuple[Path, int]:
+        """Write every session atomically, then drop the log behind it.
+
+        ``purge``: also delete every older checkpoint and every log record written so far
+        (after a session was dropped: nothing of it stays on disk)."""
         assert self.wal is not None
         with self._checkpoint_lock:
             # Stored episodes still read from the sessions' chunks are encoded before every
@@ -143,6 +168,8 @@ class Durability:
                     session.processor.store.encode_deferred()
             with ExitStack() as stack:
                 locked = sessions.lock_all(stack)
+                if purge:
+                    self.wal.rotate()
                 cut = self.wal.next_index
                 entries, blobs = [], []
                 for session in locked:
@@ -155,7 +182,7 @@ class Durability:
                     )
             payload = snapshot.pack({"wal_next_index": cut, "sessions": entries}, blobs)
             path = self.checkpoints.save(payload, cut, compress=False)
-            self.checkpoints.keep(self.options.keep)
+            self.checkpoints.keep(1 if purge else self.options.keep)
             # Keep the log back to the oldest kept checkpoint: if the newer ones turn
             # out unreadable, recovery falls back to it and still replays everything.
             kept = self.checkpoints.checkpoints()

@@ -2,10 +2,11 @@
 
 Record layout (integers little-endian)::
 
-    kind (1 byte: J join, C chunk, R reset, E episode) | session length uint16
+    kind (1 byte: J join, C chunk, R reset, E episode, L leave, D drop) | session length uint16
     | worker length uint16 | session (UTF-8) | worker (UTF-8) | payload
 
-Payloads: a join carries the session configuration as JSON; a reset nothing; a chunk and an
+Payloads: a join carries the session configuration and the client's acknowledged sequence as
+JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
 episode a uint32 header length, a JSON header (the arrays' keys, dtypes, shapes, codecs and
 sizes, plus the sequence or the episode's step, outcome, data and start reference) and the
 arrays' bytes as they arrived, back to back. A record is a list of buffers, written without
@@ -28,7 +29,9 @@ JOIN = b"J"
 CHUNK = b"C"
 RESET = b"R"
 EPISODE = b"E"
-_KINDS = (JOIN, CHUNK, RESET, EPISODE)
+LEAVE = b"L"
+DROP = b"D"
+_KINDS = (JOIN, CHUNK, RESET, EPISODE, LEAVE, DROP)
 _NAMES = struct.Struct("<HH")
 _HEADER = struct.Struct("<I")
 # Arrays in the log were checked when they arrived.
@@ -41,7 +44,13 @@ class Record:
     session: str
     worker: str
     body: Any
-    """SessionConfig (join), Chunk, SubmittedEpisode, or None (reset)."""
+    """Join, Chunk, SubmittedEpisode, "expired" or "" (leave), or None (reset, drop)."""
+
+
+@dataclass(frozen=True)
+class Join:
+    config: SessionConfig
+    acked: int = 0
 
 
 def _prefix(kind: bytes, session: str, worker: str) -> bytes:
@@ -57,8 +66,17 @@ def _with_arrays(header: dict[str, Any], arrays: dict[str, EncodedArray]) -> lis
     return [_HEADER.pack(len(text)), text, *(a.data for a in arrays.values())]
 
 
-def join(session: str, worker: str, config: SessionConfig) -> list:
-    return [_prefix(JOIN, session, worker), json.dumps(config.to_dict()).encode()]
+def join(session: str, worker: str, config: SessionConfig, acked: int = 0) -> list:
+    body = {"config": config.to_dict(), "acked": acked}
+    return [_prefix(JOIN, session, worker), json.dumps(body).encode()]
+
+
+def leave(session: str, worker: str, *, expired: bool = False) -> list:
+    return [_prefix(LEAVE, session, worker), b"expired" if expired else b""]
+
+
+def drop(session: str) -> list:
+    return [_prefix(DROP, session, "")]
 
 
 def chunk(session: str, worker: str, value: Chunk) -> list:
@@ -111,7 +129,12 @@ def decode(data: bytes | memoryview) -> Record:
     payload = view[5 + ls + lw :]
     body: Any = None
     if kind == JOIN:
-        body = SessionConfig.from_dict(json.loads(bytes(payload)))
+        data = json.loads(bytes(payload))
+        if "config" not in data:  # a join written before it carried the acknowledged sequence
+            data = {"config": data, "acked": 0}
+        body = Join(SessionConfig.from_dict(data["config"]), int(data["acked"]))
+    elif kind == LEAVE:
+        body = bytes(payload).decode()
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
         body = Chunk(int(header["sequence"]), arrays)

@@ -11,12 +11,25 @@ it is loaded: names, counters and arrays.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
 import numpy as np
 
-from ..chunks import EncodedArray, SessionConfig
+from recorder_client import _wire
+from recorder_client._wire import shown
+from recorder_client.capture_types import EpisodeOutcome
+
+from ..chunks import (
+    STATE,
+    EncodedArray,
+    Schema,
+    SessionConfig,
+    array_label,
+    check_size,
+    encoded_array,
+)
 from ..episodes import EpisodeTable, StoredChunk
 from ..errors import RequestError
 
@@ -24,7 +37,7 @@ MAGIC = b"RRSTATE1"
 FORMAT = "recorder.session_state.v2"
 # Session counters a state carries, each an int in [0, 2**63).
 COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
-_WORKER_COUNTERS = ("episodes_finished", "raw_bytes", "wire_bytes", "chunks_dropped")
+_NUM_OUTCOMES = len(EpisodeOutcome)
 
 
 class SnapshotError(ValueError):
@@ -63,7 +76,11 @@ def unpack(data: bytes | memoryview) -> tuple[dict[str, Any], list[memoryview]]:
         sizes = [int(s) for s in header["sizes"]]
         meta = header["meta"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise SnapshotError(f"state: unreadable header ({exc})") from None
+        raise SnapshotError(f"state: unreadable header ({shown(str(exc))})") from None
+    except RecursionError:
+        raise SnapshotError("state: unreadable header (nested too deeply)") from None
+    if any(size < 0 for size in sizes):
+        raise SnapshotError("state.sizes: expected blob sizes >= 0")
     offset = 16 + length
     if offset + sum(sizes) != len(view):
         raise SnapshotError(
@@ -74,14 +91,6 @@ def unpack(data: bytes | memoryview) -> tuple[dict[str, Any], list[memoryview]]:
         blobs.append(view[offset : offset + size])
         offset += size
     return meta, blobs
-
-
-def _array(spec: dict[str, Any], blobs: list[memoryview]) -> np.ndarray:
-    dtype = np.dtype(spec["dtype"])
-    if dtype.kind not in "biuf":
-        raise SnapshotError(f"state: array dtype {spec['dtype']!r} is not numeric")
-    arr = np.frombuffer(blobs[spec["blob"]], dtype=dtype).copy()
-    return arr.reshape(spec["shape"])
 
 
 def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview]]:
@@ -145,6 +154,12 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
             "chunks_dropped": session.chunks_dropped,
         },
         "workers": workers,
+        "lifecycle": {
+            "active": sorted(session.active),
+            "forgotten": [[w, seq] for w, seq in session.forgotten.items()],
+            "next_index": session.next_index,
+            "sequences_lost": dict(session.sequences_lost),
+        },
         "capture_runtime": session.processor.runtime_state_dict(),
         "store": store_blob,
     }
@@ -165,87 +180,368 @@ def session_config(meta: dict[str, Any]) -> SessionConfig:
         raise SnapshotError(f"state: {exc}") from None
 
 
-def restore_session(session: Any, meta: dict[str, Any], blobs: list[memoryview]) -> None:
-    """Fill a new, empty Session (built from session_config) with the saved state."""
+def restore_session(
+    session: Any, meta: dict[str, Any], blobs: list[memoryview], limits: Any = None
+) -> None:
+    """Fill a new, empty Session (built from session_config) with the saved state, checked
+    like live input (SnapshotError naming the field). ``limits`` (a ServiceLimits) bounds its
+    chunks and store as the server bounds live ones; None: sizes are only checked for
+    consistency (a checkpoint this server wrote)."""
+    _guarded(_restore, session, meta, blobs, limits or _unlimited())
+
+
+def check_limits(meta: Any, blobs: list[memoryview], limits: Any) -> None:
+    """SnapshotError unless every chunk of a state is within ``limits`` (a ServiceLimits),
+    read from its headers: run on an uploaded state before anything of it is built."""
+
+    def run() -> None:
+        for k, entry in enumerate(_list(meta["workers"], "state.workers")):
+            for i, c in enumerate(_list(entry["chunks"], f"state.workers[{k}].chunks")):
+                _chunk_arrays(c, blobs, f"state.workers[{k}].chunks[{i}]", limits, copy=False)
+
+    if not isinstance(meta, dict):
+        raise SnapshotError(f"state: expected a mapping, got {type(meta).__name__}")
+    _guarded(run)
+
+
+def _guarded(fn: Any, *args: Any) -> None:
+    """``fn(*args)``, any error of a malformed state turned into a SnapshotError."""
     try:
-        _restore(session, meta, blobs)
+        fn(*args)
+    except SnapshotError:
+        raise
     except RequestError as exc:
-        raise SnapshotError(f"state: {exc}") from None
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        if isinstance(exc, SnapshotError):
-            raise
-        raise SnapshotError(f"state: missing or malformed entry ({exc!r})") from None
+        text = str(exc)
+        raise SnapshotError(text if text.startswith("state") else f"state: {text}") from None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise SnapshotError(f"state: missing or malformed entry ({shown(repr(exc))})") from None
+    except RecursionError:
+        raise SnapshotError("state: nested too deeply") from None
+
+
+def _unlimited() -> Any:
+    from ..sessions import ServiceLimits
+
+    big = 1 << 62
+    return ServiceLimits(
+        max_array_bytes=big, max_chunk_bytes=big, max_chunk_env_steps=big, max_upload_bytes=big
+    )
 
 
 def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
-        raise SnapshotError(f"state.{what}: expected an int in [0, 2**63), got {value!r}")
+        raise SnapshotError(f"state.{what}: expected an int in [0, 2**63), got {shown(value)}")
     return value
 
 
-def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview]) -> None:
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise SnapshotError(f"{what}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _dict(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise SnapshotError(f"{what}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _blob(blobs: list[memoryview], index: Any, what: str) -> memoryview:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(blobs):
+        raise SnapshotError(
+            f"{what}.blob: expected an index in [0, {len(blobs)}), got {shown(index)}"
+        )
+    return blobs[index]
+
+
+def _shape(value: Any, what: str) -> list[int]:
+    dims = _list(value, f"{what}.shape")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 62:
+            raise SnapshotError(f"{what}.shape: expected sizes in [0, 2**62), got {shown(dims)}")
+    return dims
+
+
+def _array(
+    spec: Any,
+    blobs: list[memoryview],
+    what: str,
+    dtype: str,
+    shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """A saved bookkeeping array of exactly ``dtype`` (and ``shape`` when given) whose blob
+    holds exactly its bytes."""
+    spec = _dict(spec, what)
+    if spec.get("dtype") != np.dtype(dtype).str:
+        raise SnapshotError(
+            f"{what}.dtype: expected {np.dtype(dtype).str!r}, got {shown(spec.get('dtype'))}"
+        )
+    dims = _shape(spec.get("shape"), what)
+    if shape is not None and tuple(dims) != shape:
+        raise SnapshotError(f"{what}.shape: expected {list(shape)}, got {shown(dims)}")
+    data = _blob(blobs, spec.get("blob"), what)
+    nbytes = np.dtype(dtype).itemsize * math.prod(dims)
+    if nbytes != len(data):
+        raise SnapshotError(
+            f"{what}: shape {dims} of {dtype} is {nbytes} bytes, its blob holds {len(data)}"
+        )
+    return np.frombuffer(data, dtype=dtype).copy().reshape(dims)
+
+
+def _schema(value: Any, config: SessionConfig, max_raw: int) -> Schema | None:
+    if value is None:
+        return None
+    allowed = {"action", "reward"} | {STATE + f for f in config.state_fields}
+    schema: Schema = {}
+    for key, spec in _dict(value, "state.schema").items():
+        what = f"state.schema[{shown(key)}]"
+        if key not in allowed:
+            raise SnapshotError(f"{what}: expected a key from {sorted(allowed)}")
+        dtype_text, trailing = _list(spec, what)
+        try:
+            dtype = _wire.parse_dtype(dtype_text, f"{what}.dtype")
+        except ValueError as exc:
+            raise SnapshotError(str(exc)) from None
+        dims = _shape(trailing, what)
+        if dtype.itemsize * math.prod(max(d, 1) for d in dims) > max_raw:
+            raise SnapshotError(f"{what}.shape: expected at most {max_raw} bytes, got {dims}")
+        schema[key] = (dtype, tuple(dims))
+    return schema
+
+
+def _chunk_arrays(
+    c: Any, blobs: list[memoryview], what: str, limits: Any, *, copy: bool = True
+) -> dict[str, EncodedArray]:
+    """A saved chunk's arrays, each header checked as a received one is (sizes, frames)."""
+    max_raw = min(limits.max_array_bytes, limits.max_chunk_bytes)
+    arrays: dict[str, EncodedArray] = {}
+    for key, spec in _dict(_dict(c, what)["arrays"], f"{what}.arrays").items():
+        label = array_label(what, str(key))
+        spec = _dict(spec, label)
+        dims = _shape(spec.get("shape"), label)
+        dtype = spec.get("dtype")
+        if not isinstance(dtype, str):
+            raise SnapshotError(f"{label}.dtype: expected a dtype string, got {shown(dtype)}")
+        try:
+            raw = _wire.parse_dtype(dtype, f"{label}.dtype").itemsize * math.prod(dims)
+        except ValueError as exc:
+            raise SnapshotError(str(exc)) from None
+        data = _blob(blobs, spec.get("blob"), label)
+        codec = spec.get("codec")
+        if isinstance(codec, bool) or not isinstance(codec, int):
+            raise SnapshotError(f"{label}.codec: expected an int, got {shown(codec)}")
+        arrays[str(key)] = encoded_array(
+            dtype, dims, raw, codec, bytes(data) if copy else data, label, max_raw
+        )
+    check_size(arrays, what, limits.max_chunk_bytes, limits.max_chunk_env_steps, time_axes=2)
+    return arrays
+
+
+def _check_chunk(
+    arrays: dict[str, EncodedArray],
+    what: str,
+    length: int,
+    num_envs: int,
+    schema: Schema | None,
+) -> None:
+    """A saved chunk's arrays agree with its place on the worker's time axis and the
+    session's schema (a finish allocates from them)."""
+    tn = (length, num_envs)
+    for key in ("action", "reward", "done"):
+        if key not in arrays:
+            raise SnapshotError(f"{what}.arrays: expected {key!r}, got {sorted(arrays)}")
+    for key, a in arrays.items():
+        if a.shape[:2] != tn or (key in ("reward", "done") and len(a.shape) != 2):
+            raise SnapshotError(
+                f"{array_label(what, key)}.shape: expected (T, N) = {list(tn)} (the chunk's "
+                f"length and the worker's num_envs), got {list(a.shape)}"
+            )
+    if len(arrays["action"].shape) not in (2, 3):
+        raise SnapshotError(
+            f"{what}.action.shape: expected (T, N) or (T, N, P), got {list(arrays['action'].shape)}"
+        )
+    if arrays["done"].dtype != np.bool_:
+        raise SnapshotError(f"{what}.done.dtype: expected '|b1', got {arrays['done'].dtype.str!r}")
+    got = {k: (a.dtype, a.shape[2:]) for k, a in arrays.items() if k != "done"}
+    if schema is None or got != schema:
+        raise SnapshotError(
+            f"{what}.arrays: expected dtypes and trailing shapes "
+            f"{_describe(schema)} (state.schema), got {_describe(got)}"
+        )
+
+
+def _describe(schema: Schema | None) -> str:
+    if schema is None:
+        return "none"
+    return shown({k: f"{d.str}{list(t)}" for k, (d, t) in sorted(schema.items())}, 256)
+
+
+def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits: Any) -> None:
     from ..session import check_worker_id
 
-    if meta["schema"] is not None:
-        session.schema = {
-            str(k): (np.dtype(d), tuple(_count(x, "schema") for x in t))
-            for k, (d, t) in meta["schema"].items()
-        }
-    counters = meta["counters"]
-    if set(counters) != set(COUNTERS):
+    schema = _schema(meta["schema"], session.config, limits.max_chunk_bytes)
+    counters = _dict(meta["counters"], "state.counters")
+    unknown = sorted(str(name) for name in counters if name not in COUNTERS)
+    missing = sorted(set(COUNTERS) - set(counters))
+    if unknown or missing:
         raise SnapshotError(
-            f"state.counters: expected {sorted(COUNTERS)}, got {sorted(map(str, counters))}"
+            f"state.counters: expected exactly {list(COUNTERS)}, got "
+            + (f"unknown {shown(unknown[0])}" if unknown else f"no {missing[0]!r}")
         )
-    for name in COUNTERS:
-        setattr(session, name, _count(counters[name], f"counters.{name}"))
+    values = {name: _count(counters[name], f"counters.{name}") for name in COUNTERS}
+    session.schema = schema
+    session.done_count = values["done_count"]
+    session.num_recorded_steps = values["num_recorded_steps"]
+    session.env_steps = values["env_steps"]
+    session.chunks_stored = values["chunks_stored"]
+    session.chunks_dropped = values["chunks_dropped"]
     tails = {}
-    workers = sorted(meta["workers"], key=lambda w: _count(w["index"], "workers.index"))
-    if [w["index"] for w in workers] != list(range(len(workers))):
-        raise SnapshotError("state.workers: expected indexes 0, 1, 2, ... in join order")
-    if len(workers) > session.max_workers:
+    entries = [_dict(w, "state.workers[]") for w in _list(meta["workers"], "state.workers")]
+    workers = sorted(entries, key=lambda w: _count(w["index"], "workers.index"))
+    indexes = [w["index"] for w in workers]
+    if len(set(indexes)) != len(indexes) or (indexes and indexes[-1] >= 1 << 31):
         raise SnapshotError(
-            f"state.workers: this server allows at most {session.max_workers} workers per "
-            f"session, got {len(workers)}"
+            "state.workers: expected distinct indexes below 2**31 in join order, got "
+            f"{indexes[:8]}{'...' if len(indexes) > 8 else ''}"
         )
+    ids = []
     for entry in workers:
-        worker_id = check_worker_id(str(entry["id"]))
+        worker_id = entry["id"]
+        if not isinstance(worker_id, str):
+            raise SnapshotError(f"state.workers.id: expected a string, got {shown(worker_id)}")
+        ids.append(check_worker_id(worker_id))
+    _restore_lifecycle(session, meta, ids, indexes)
+    for entry, worker_id in zip(workers, ids, strict=True):
+        what = f"state.workers[{shown(worker_id)}]"
         if worker_id in session.workers:
-            raise SnapshotError(f"state.workers: worker {worker_id!r} appears twice")
+            raise SnapshotError(f"state.workers: worker {shown(worker_id)} appears twice")
         tl = session.add_worker(
             worker_id, entry["index"], _count(entry["last_sequence"], "last_sequence")
         )
-        tl.num_envs = None if entry["num_envs"] is None else _count(entry["num_envs"], "num_envs")
-        for c in entry["chunks"]:
-            arrays = {
-                str(key): EncodedArray(
-                    np.dtype(a["dtype"]),
-                    tuple(_count(x, "shape") for x in a["shape"]),
-                    _count(a["codec"], "codec"),
-                    bytes(blobs[a["blob"]]),
-                )
-                for key, a in c["arrays"].items()
-            }
-            tl.chunks.append(
-                StoredChunk(
-                    _count(c["t0"], "t0"),
-                    _count(c["length"], "length"),
-                    arrays,
-                    _count(c["wire_bytes"], "wire_bytes"),
-                )
+        n = entry["num_envs"]
+        n = None if n is None else _count(n, "num_envs")
+        saved = _list(entry["chunks"], f"{what}.chunks")
+        if (n is None) != (not saved):
+            raise SnapshotError(
+                f"{what}.num_envs: expected a count exactly when the worker has chunks, got "
+                f"{shown(n)} with {len(saved)} chunks"
             )
-        tl.t_total = _count(entry["t_total"], "t_total")
-        table = [_array(spec, blobs) for spec in entry["table"]]
-        tl.table = (
-            EpisodeTable([table[0]], [table[1]], [table[2]]) if table[0].size else EpisodeTable()
+        t = 0
+        for i, c in enumerate(saved):
+            where = f"{what}.chunks[{i}]"
+            arrays = _chunk_arrays(c, blobs, where, limits)
+            length = arrays["action"].shape[0] if "action" in arrays else 0
+            if _count(c["t0"], "t0") != t or _count(c["length"], "length") != length:
+                raise SnapshotError(
+                    f"{where}: expected t0={t} and length={length} (the steps before it and "
+                    f"its arrays), got t0={shown(c['t0'])} and length={shown(c['length'])}"
+                )
+            _check_chunk(arrays, where, length, n, schema)
+            tl.chunks.append(StoredChunk(t, length, arrays, _count(c["wire_bytes"], "wire_bytes")))
+            t += length
+        if _count(entry["t_total"], "t_total") != t:
+            raise SnapshotError(
+                f"{what}.t_total: expected {t} (the chunks' steps), got {entry['t_total']}"
+            )
+        tl.t_total = t
+        env, start, end = (
+            _array(spec, blobs, f"{what}.table[{j}]", "<i8")
+            for j, spec in enumerate(_list(entry["table"], f"{what}.table"))
         )
-        if "open_start" in entry:
-            tl.open_start = _array(entry["open_start"], blobs)
-            tl.finished_per_env = _array(entry["finished_per_env"], blobs)
-        for name in _WORKER_COUNTERS:
-            setattr(tl, name, _count(entry[name], name))
+        if not env.ndim == start.ndim == end.ndim == 1 or not env.size == start.size == end.size:
+            raise SnapshotError(f"{what}.table: expected three arrays (E,) of equal length")
+        if env.size and (
+            env.min() < 0
+            or env.max() >= (n or 0)
+            or start.min() < 0
+            or (start > end).any()
+            or end.max() > t
+        ):
+            raise SnapshotError(
+                f"{what}.table: expected envs in [0, {n}) and 0 <= start <= end <= {t}"
+            )
+        tl.table = EpisodeTable([env], [start], [end]) if env.size else EpisodeTable()
+        if ("open_start" in entry) != (n is not None):
+            raise SnapshotError(f"{what}.open_start: expected one exactly when num_envs is set")
+        if n is not None:
+            tl.num_envs = n
+            tl.open_start = _array(entry["open_start"], blobs, f"{what}.open_start", "<i8", (n,))
+            tl.finished_per_env = _array(
+                entry["finished_per_env"], blobs, f"{what}.finished_per_env", "<i8", (n,)
+            )
+            if n and (tl.open_start.min() < 0 or tl.open_start.max() > t):
+                raise SnapshotError(f"{what}.open_start: expected steps in [0, {t}]")
+            if n and tl.finished_per_env.min() < 0:
+                raise SnapshotError(f"{what}.finished_per_env: expected counts >= 0")
+        tl.episodes_finished = _count(entry["episodes_finished"], "episodes_finished")
+        tl.raw_bytes = _count(entry["raw_bytes"], "raw_bytes")
+        tl.wire_bytes = _count(entry["wire_bytes"], "wire_bytes")
+        tl.chunks_dropped = _count(entry["chunks_dropped"], "chunks_dropped")
         if "feeder" in entry:
-            tails[tl.index] = {k: _array(v, blobs) for k, v in entry["feeder"].items()}
-    session.processor.load_state_dict(meta["capture_runtime"])
-    if meta["store"] is not None and session.processor.store is not None:
-        session.processor.load_trajectory_store_checkpoint_data(bytes(blobs[meta["store"]]))
+            tails[tl.index] = _feeder(entry["feeder"], blobs, f"{what}.feeder", n)
+    try:
+        session.processor.load_state_dict(meta["capture_runtime"])
+    except ValueError as exc:
+        text = str(exc)
+        text = f".{text[6:]}" if text.startswith("state.") else f": {text}"
+        raise SnapshotError(f"state.capture_runtime{text}") from None
+    store = meta["store"]
+    if store is not None and session.processor.store is not None:
+        data = bytes(_blob(blobs, store, "state.store"))
+        try:
+            session.processor.load_trajectory_store_checkpoint_data(
+                data, max_bytes=limits.max_upload_bytes
+            )
+        except ValueError as exc:
+            raise SnapshotError(f"state.store: {exc}") from None
     session.feeder.restore(tails, list(session.workers.values()))
+
+
+def _feeder(spec: Any, blobs: list[memoryview], what: str, n: int | None) -> dict[str, np.ndarray]:
+    """A worker's open-episode sums: a return and an outcome code per environment."""
+    spec = _dict(spec, what)
+    if set(spec) != {"open_return", "open_code"} or n is None:
+        raise SnapshotError(
+            f"{what}: expected 'open_return' and 'open_code' of a worker with chunks, got "
+            f"{shown(sorted(map(str, spec)))}"
+        )
+    codes = _array(spec["open_code"], blobs, f"{what}.open_code", "<i8", (n,))
+    if codes.size and (codes.min() < 0 or codes.max() >= _NUM_OUTCOMES):
+        raise SnapshotError(f"{what}.open_code: expected codes 0..{_NUM_OUTCOMES - 1}")
+    returns = _array(spec["open_return"], blobs, f"{what}.open_return", "<f8", (n,))
+    return {"open_return": returns, "open_code": codes}
+
+
+def _restore_lifecycle(
+    session: Any, meta: dict[str, Any], worker_ids: list[str], indexes: list[int]
+) -> None:
+    """Active workers, forgotten ones and lost sequences (a state without them: every
+    worker active)."""
+    from ..session import MAX_FORGOTTEN, check_worker_id
+
+    life = meta.get("lifecycle")
+    if life is None:
+        life = {"active": worker_ids, "forgotten": [], "next_index": len(worker_ids)}
+    active = life["active"]
+    if not isinstance(active, list) or not set(active) <= set(worker_ids):
+        raise SnapshotError("state.lifecycle.active: expected ids of the state's workers")
+    if len(active) > session.max_workers:
+        raise SnapshotError(
+            f"state.lifecycle.active: this server allows at most {session.max_workers} "
+            f"active workers per session, got {len(active)}"
+        )
+    forgotten = life["forgotten"]
+    if not isinstance(forgotten, list) or len(forgotten) > MAX_FORGOTTEN:
+        raise SnapshotError(
+            f"state.lifecycle.forgotten: expected at most {MAX_FORGOTTEN} [id, sequence] pairs"
+        )
+    for worker_id, seq in forgotten:
+        session.forgotten[check_worker_id(str(worker_id))] = _count(seq, "forgotten.sequence")
+    lost = life.get("sequences_lost", {})
+    if not isinstance(lost, dict) or not set(lost) <= set(worker_ids) | set(session.forgotten):
+        raise SnapshotError("state.lifecycle.sequences_lost: expected counts of known workers")
+    session.sequences_lost = {str(w): _count(n, "sequences_lost") for w, n in lost.items()}
+    session.active = set(active)
+    session.next_index = max(
+        _count(life["next_index"], "lifecycle.next_index"), indexes[-1] + 1 if indexes else 0
+    )

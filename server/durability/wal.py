@@ -128,6 +128,15 @@ class TornTail:
     """Byte offset in ``segment`` where the dropped bytes started (the new file size)."""
     dropped_bytes: int
     reason: str
+    index: int | None = None
+    """Index the dropped record would have had."""
+
+    def __str__(self) -> str:
+        record = "" if self.index is None else f" (record {self.index}, never wholly written)"
+        return (
+            f"{self.segment}: dropped a torn tail of {self.dropped_bytes} bytes at offset "
+            f"{self.offset}{record}: {self.reason}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,29 @@ class Corruption:
     missing_until: int | None
     """Index where readable records resume (None: unknown, nothing follows)."""
     reason: str
+    unread_bytes: int = 0
+    """Bytes from ``offset`` to the end of ``segment`` that could not be read."""
+
+    def __str__(self) -> str:
+        where = f"{self.segment}: {self.reason} at offset {self.offset}"
+        first, until, unread = self.first_missing, self.missing_until, self.unread_bytes
+        # Every record takes more than a record header: a bound on what the bytes held.
+        most = max(1, unread // _REC.size) if unread else None
+        if until is None:
+            return (
+                f"{where}; its last {unread} bytes are unreadable: the record at index {first} "
+                f"and any after it in those bytes are lost (at most {most})"
+            )
+        if until <= first:
+            return f"{where}; no record is lost"
+        if until == first + 1:
+            return f"{where}; record {first} is lost"
+        if most is not None and most < until - first:
+            return (
+                f"{where}; records from index {first} are lost: at most {most} of indexes "
+                f"{first} to {until - 1}, in {unread} unreadable bytes"
+            )
+        return f"{where}; records {first} to {until - 1} are lost"
 
 
 def segment_name(first_index: int) -> str:
@@ -394,21 +426,21 @@ def _replay(root: Path, start_index: int, repair: bool) -> ReplayResult:
                 scan.problem_offset,
                 scan.problem,
             )
-            result.torn_tail = TornTail(path, scan.problem_offset, dropped, scan.problem)
+            result.torn_tail = TornTail(
+                path, scan.problem_offset, dropped, scan.problem, scan.next_index
+            )
         else:
             until = segments[i + 1][0] if not is_last else None
-            logger.error(
-                "write-ahead log %s: corrupt at offset %d (record %d): %s; records up to %s "
-                "are lost",
+            corruption = Corruption(
                 path,
                 scan.problem_offset,
                 scan.next_index,
-                scan.problem,
                 until,
+                scan.problem,
+                scan.size - scan.problem_offset,
             )
-            result.corruptions.append(
-                Corruption(path, scan.problem_offset, scan.next_index, until, scan.problem)
-            )
+            logger.error("write-ahead log %s", corruption)
+            result.corruptions.append(corruption)
             expected = until if until is not None else _resume_index(scan)
     result.next_index = max(expected if expected is not None else start_index, start_index)
     return result
@@ -623,6 +655,14 @@ class WriteAheadLog:
         if self._fsync == "always":
             self._sync_through(index + 1)
         return index
+
+    def rotate(self) -> None:
+        """Go on in a new segment (unless the current one is empty), so that truncate_before
+        can delete every record written so far."""
+        with self._lock:
+            self._check_usable()
+            if self._size > _SEG.size:
+                self._roll(self._next)
 
     def _roll(self, first_index: int) -> None:
         """Finish the current segment and continue in a new one (caller holds the lock)."""

@@ -17,10 +17,20 @@ from recorder_client import _messages, _wire
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client.status import SessionStatus
 
-from ..chunks import Chunk, EncodedArray, SessionConfig, SubmittedEpisode, encoded_array
+from ..chunks import (
+    STATE,
+    Chunk,
+    EncodedArray,
+    SessionConfig,
+    SubmittedEpisode,
+    array_label,
+    check_size,
+    encoded_array,
+)
 from ..episodes import Assembly
 from ..errors import ErrorKind, RequestError, invalid
 from ..session import Applied
+from ..sessions import ServiceLimits
 from ..store import EpisodeArrays
 
 logger = logging.getLogger(__name__)
@@ -28,6 +38,7 @@ logger = logging.getLogger(__name__)
 # The status each kind of refusal ends an RPC with.
 _STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.INVALID_NAME: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.SESSION_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
     ErrorKind.NOT_JOINED: grpc.StatusCode.FAILED_PRECONDITION,
@@ -52,8 +63,19 @@ INTERNAL_MESSAGE = "internal error: the server logged it"
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status code, message, kind tag) for an error that ends an RPC or refuses a chunk."""
     if isinstance(error, RequestError):
-        return _STATUS[error.kind], str(error), error.kind.value
+        return _STATUS[error.kind], _capped(str(error)), error.kind.value
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, "internal"
+
+
+# Status details travel as metadata (8 KiB for all of it by default): a message that echoes
+# a long input is cut here, whatever its author did.
+MAX_MESSAGE_CHARS = 1024
+
+
+def _capped(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters)"
 
 
 def trailing(kind: str) -> tuple[tuple[str, str], ...]:
@@ -80,32 +102,42 @@ def array_from_proto(msg: pb.ArrayData, what: str, max_raw: int) -> EncodedArray
     return encoded_array(msg.dtype, msg.shape, msg.raw_size, msg.codec, msg.data, what, max_raw)
 
 
-def chunk_from_proto(msg: pb.Chunk, max_raw: int) -> Chunk:
+def _max_raw(limits: ServiceLimits) -> int:
+    return min(limits.max_array_bytes, limits.max_chunk_bytes)
+
+
+def chunk_from_proto(msg: pb.Chunk, limits: ServiceLimits) -> Chunk:
+    """A chunk with every header checked against the limits (sizes, env steps, frames)."""
+    max_raw = _max_raw(limits)
     arrays: dict[str, EncodedArray] = {}
     for name in ("action", "reward", "done", "outcome"):
         if msg.HasField(name):
             arrays[name] = array_from_proto(getattr(msg, name), f"chunk.{name}", max_raw)
     for named in msg.states:
-        what = f"chunk.states[{named.name[:64]!r}]"
-        key = "state:" + named.name
+        key = STATE + named.name
+        what = array_label("chunk", key)
         if key in arrays:
             raise invalid(f"{what}: field sent twice")
         arrays[key] = array_from_proto(named.array, what, max_raw)
+    check_size(arrays, "chunk", limits.max_chunk_bytes, limits.max_chunk_env_steps, time_axes=2)
     return Chunk(msg.sequence, arrays)
 
 
-def episode_from_proto(msg: pb.SubmitEpisodeRequest, max_raw: int) -> SubmittedEpisode:
+def episode_from_proto(msg: pb.SubmitEpisodeRequest, limits: ServiceLimits) -> SubmittedEpisode:
+    """An episode with every header checked against the limits, as a chunk's are."""
+    max_raw = _max_raw(limits)
     ep = msg.episode
     arrays = {
         "actions": array_from_proto(ep.actions, "episode.actions", max_raw),
         "rewards": array_from_proto(ep.rewards, "episode.rewards", max_raw),
     }
     for named in ep.states:
-        key = "state:" + named.name
-        what = f"episode.states[{named.name[:64]!r}]"
+        key = STATE + named.name
+        what = array_label("episode", key)
         if key in arrays:
             raise invalid(f"{what}: field sent twice")
         arrays[key] = array_from_proto(named.array, what, max_raw)
+    check_size(arrays, "episode", limits.max_chunk_bytes, limits.max_chunk_env_steps, time_axes=1)
     reference = None
     if msg.HasField("start_reference"):
         reference = (msg.start_reference.trajectory_id, msg.start_reference.step)

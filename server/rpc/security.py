@@ -4,6 +4,8 @@
 - `TokenAuthInterceptor` refuses every call without the right token with
   UNAUTHENTICATED, except the open methods (the health service by default).
   The comparison is constant-time (`hmac.compare_digest`).
+- `MalformedRequestInterceptor` answers a request that does not parse with
+  INVALID_ARGUMENT and one WARNING line (not INTERNAL and a traceback).
 - `server_credentials` builds TLS (or mutual TLS) credentials from PEM files.
 - `add_standard_services` adds grpc.health.v1 and server reflection; health
   says NOT_SERVING until `Health.set_serving(True)` and again while draining.
@@ -16,9 +18,10 @@ two standard services, and says so in the log.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -138,6 +141,136 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+# -- malformed requests ------------------------------------------------------
+class _Malformed:
+    """What the lenient deserializer hands on for bytes that do not parse."""
+
+    __slots__ = ("error", "message", "size")
+
+    def __init__(self, message: str, size: int, error: Exception) -> None:
+        self.message = message
+        self.size = size
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``deserialize``, with a _Malformed marker instead of an exception (which gRPC would
+    log with a traceback and answer INTERNAL)."""
+    owner = getattr(deserialize, "__self__", None)
+    descriptor = getattr(owner, "DESCRIPTOR", None)
+    message = getattr(descriptor, "full_name", "request")
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # DecodeError, or whatever else a parser raises
+            return _Malformed(message, len(data), exc)
+
+    return parse
+
+
+async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed) -> None:
+    logger.warning(
+        "refused %s: %d bytes that do not parse as %s (%s)",
+        method,
+        bad.size,
+        bad.message,
+        bad.error,
+    )
+    code, details, kind = status_of(
+        RequestError(
+            ErrorKind.INVALID,
+            f"request: expected a {bad.message} message, got {bad.size} bytes that do not "
+            "parse as one",
+        )
+    )
+    context.set_trailing_metadata(trailing(kind))
+    await context.abort(code, details)
+
+
+def _checked_one(method: str) -> Callable[..., Awaitable[Any]]:
+    async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await _refuse(context, method, request)
+        return request
+
+    return check
+
+
+def _checked_stream(method: str) -> Callable[..., Awaitable[Any]]:
+    async def check(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async def each() -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, _Malformed):
+                    await _refuse(context, method, request)
+                yield request
+
+        return each()
+
+    return check
+
+
+_FACTORIES = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+def _guarded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with a lenient deserializer and a behavior that refuses what it marks
+    (async behaviors only: the recorder's, health's and reflection's)."""
+    attribute, factory = _FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    inner = getattr(handler, attribute)
+    check = (_checked_stream if handler.request_streaming else _checked_one)(method)
+    if inspect.isasyncgenfunction(inner):
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for reply in inner(await check(request, context), context):
+                yield reply
+
+    elif inspect.iscoroutinefunction(inner):
+
+        async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await inner(await check(request, context), context)
+
+    else:
+        return handler
+    return factory(
+        behavior,
+        request_deserializer=_lenient(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A request message that does not parse ends its call with INVALID_ARGUMENT and one
+    WARNING line, for every method, unary or streaming (gRPC's own answer is INTERNAL, with
+    a traceback in the log per call). A stream refuses at the first bad message.
+
+    Put it after TokenAuthInterceptor: a call without the token is refused for that first.
+    """
+
+    def __init__(self) -> None:
+        # method -> (the handler it was given, the guarded one): built once per method.
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method
+        cached = self._guarded.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._guarded[method] = (handler, _guarded_handler(handler, method))
+        return cached[1]
+
+
 # -- TLS ---------------------------------------------------------------------
 def _read(path: str | os.PathLike[str], what: str) -> bytes:
     try:
@@ -217,6 +350,7 @@ __all__ = [
     "RECORDER_SERVICE_NAME",
     "WRONG_TOKEN",
     "Health",
+    "MalformedRequestInterceptor",
     "TokenAuthInterceptor",
     "add_standard_services",
     "check_token",

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+import numpy as np
 
 from recorder_client import _wire
 from recorder_client._proto import recorder_pb2 as pb
@@ -24,9 +25,10 @@ from ..chunks import Chunk
 from ..durability import Durability, snapshot
 from ..durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from ..errors import ErrorKind, RequestError, invalid
+from ..lifecycle import Lifecycle
 from ..session import Applied, Session
-from ..sessions import Sessions
 from ..store import kernels
+from ..store.processor import check_checkpoint_size
 from . import convert
 from .offload import Offload
 
@@ -57,21 +59,14 @@ def _take_parts(parts: Iterator[pb.FinishPart]) -> tuple[list[pb.FinishPart], bo
 
 
 class RecorderServicer(pb_grpc.RecorderServicer):
-    def __init__(
-        self,
-        sessions: Sessions,
-        metrics,
-        durability: Durability | None,
-        *,
-        ingest: Offload,
-        control: Offload,
-    ) -> None:
-        self.sessions = sessions
+    def __init__(self, lifecycle: Lifecycle, metrics, *, ingest: Offload, control: Offload) -> None:
+        self.lifecycle = lifecycle
+        self.sessions = sessions = lifecycle.sessions
         self.metrics = metrics
-        self.durability = durability
+        self.durability: Durability | None = lifecycle.durability
         self.ingest = ingest
         self.control = control
-        self.max_raw = sessions.limits.max_array_bytes
+        self.limits = sessions.limits
         self._started = time.monotonic()
 
     # -- helpers ---------------------------------------------------------
@@ -93,10 +88,12 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     # -- recording -------------------------------------------------------
     def _join(self, request: pb.JoinRequest) -> tuple[Session, pb.JoinReply]:
         config = convert.config_from_proto(request.config)
-        session = self.sessions.join(request.session, config, request.worker_id)
+        session, held = self.sessions.join(
+            request.session, config, request.worker_id, request.acked_sequence
+        )
         reply = pb.JoinReply(
             worker_index=session.workers[request.worker_id].index,
-            last_sequence=session.last_sequence[request.worker_id],
+            last_sequence=held,
             status=convert.status_to_proto(session.status(), session.config),
         )
         return session, reply
@@ -123,7 +120,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     def _apply(self, session: Session, worker_id: str, msg: pb.Chunk) -> pb.RecordAck:
         began = time.perf_counter()
         try:
-            chunk = convert.chunk_from_proto(msg, self.max_raw)
+            chunk = convert.chunk_from_proto(msg, self.limits)
         except RequestError as err:
             chunk = Chunk(msg.sequence, {}, refused=err)
         try:
@@ -162,8 +159,17 @@ class RecorderServicer(pb_grpc.RecorderServicer):
 
     def _finish_parts(self, request: pb.FinishRequest):
         session = self.sessions.get(request.session)
-        plan = session.assemble(request.pad_incomplete)
-        yield convert.finish_header(plan, list(session.workers))
+        with session.lock:
+            plan = session.assemble(request.pad_incomplete)
+            # Worker indexes have gaps where workers were forgotten: the result numbers
+            # its workers 0, 1, 2, ... in join order.
+            indexes = [tl.index for tl in session.workers.values()]
+            worker_ids = list(session.workers)
+        if indexes != list(range(len(indexes))):
+            lookup = np.zeros(max(indexes) + 1, dtype=np.int64)
+            lookup[indexes] = np.arange(len(indexes))
+            plan.workers = lookup[plan.workers]
+        yield convert.finish_header(plan, worker_ids)
         part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         for index, spec in enumerate(plan.fields):
             for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
@@ -226,7 +232,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     # -- trajectory store ------------------------------------------------
     def _submit(self, request: pb.SubmitEpisodeRequest) -> pb.SubmitEpisodeReply:
         session = self.sessions.get(request.session)
-        episode = convert.episode_from_proto(request, self.max_raw)
+        episode = convert.episode_from_proto(request, self.limits)
         return pb.SubmitEpisodeReply(episodes_captured=session.submit_episode(episode))
 
     async def SubmitEpisode(self, request: pb.SubmitEpisodeRequest, context):
@@ -270,8 +276,17 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         for part in await self._run(context, self._store_file, request):
             yield part
 
-    def _load_store(self, name: str, data: bytes) -> pb.LoadReply:
+    def _load_store(self, name: str, data: bytearray) -> pb.LoadReply:
         session = self.sessions.get(name)
+        cap = self.limits.max_upload_bytes
+        try:
+            # Bounded before the session inflates it: the framed payload, and the store file
+            # inside it when that is a zstd frame.
+            payload = decode_checkpoint(data, max_payload_bytes=cap, source="store checkpoint")
+            check_checkpoint_size(payload, cap)
+        except (CheckpointError, ValueError) as exc:
+            raise invalid(f"store checkpoint: {exc}") from None
+        del payload
         session.load_store_checkpoint(data)
         self._checkpoint_after_load()
         return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
@@ -294,13 +309,20 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         for part in await self._run(context, self._state_file, request.session):
             yield part
 
-    def _load_state(self, name: str, data: bytes) -> pb.LoadReply:
+    def _load_state(self, name: str, data: bytearray) -> pb.LoadReply:
+        # No bigger than what was sent: GetRuntimeState never compresses, so a state
+        # inflates to nothing more than its upload.
+        cap = min(self.limits.max_upload_bytes, len(data))
         try:
-            meta, blobs = snapshot.unpack(decode_checkpoint(data, source="runtime state"))
-            if meta.get("name") != name:
+            payload = decode_checkpoint(data, max_payload_bytes=cap, source="runtime state")
+            meta, blobs = snapshot.unpack(payload)
+            got = meta.get("name") if isinstance(meta, dict) else None
+            if got != name:
                 raise ValueError(
-                    f"session: expected state of session {name!r}, got {meta.get('name')!r}"
+                    f"session: expected state of session {_wire.shown(name)}, got {_wire.shown(got)}"
                 )
+            # Every chunk within this server's limits before anything of the state is built.
+            snapshot.check_limits(meta, blobs, self.limits)
             session = self.sessions.restore(meta, blobs, limit=True)
         except (CheckpointError, ValueError) as exc:
             raise invalid(f"runtime state: {exc}") from None
@@ -337,22 +359,69 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     async def Checkpoint(self, request: pb.CheckpointRequest, context) -> pb.CheckpointReply:
         return await self._run(context, self._checkpoint)
 
-    async def _receive(self, request_iterator, context) -> tuple[str, bytes]:
-        """A streamed file: its session and bytes (declared size and sha256 checked)."""
+    # -- sessions as resources -------------------------------------------
+    def _leave(self, request: pb.LeaveRequest) -> pb.LeaveReply:
+        self.sessions.leave(request.session, request.worker_id)
+        return pb.LeaveReply()
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        return await self._run(context, self._leave, request)
+
+    def _list(self) -> pb.ListSessionsReply:
+        reply = pb.ListSessionsReply()
+        for session in sorted(self.sessions.all(), key=lambda s: s.name):
+            status = session.status()
+            reply.sessions.append(
+                pb.SessionSummary(
+                    name=status.session,
+                    workers=sum(w.active for w in status.workers),
+                    episodes=status.episodes_finished,
+                    raw_bytes=status.raw_bytes,
+                    wire_bytes=status.wire_bytes,
+                    idle_seconds=status.idle_seconds,
+                    num_recorded_steps=status.num_recorded_steps,
+                    is_full=status.is_full,
+                )
+            )
+        return reply
+
+    async def ListSessions(self, request: pb.ListSessionsRequest, context):
+        return await self._run(context, self._list)
+
+    def _drop(self, request: pb.DropSessionRequest) -> pb.DropSessionReply:
+        self.lifecycle.drop(request.session)
+        return pb.DropSessionReply()
+
+    async def DropSession(self, request: pb.DropSessionRequest, context):
+        return await self._run(context, self._drop, request)
+
+    async def _receive(self, request_iterator, context) -> tuple[str, bytearray]:
+        """A streamed file: its session and bytes (declared size and sha256 checked). A file
+        that declares more than max_upload_bytes is refused before anything is buffered, and
+        buffering stops one part past the declared size."""
+        cap = self.limits.max_upload_bytes
         first = None
         buf = bytearray()
-        async for part in request_iterator:
-            if first is None:
-                first = part
-            buf += part.data
-            if len(buf) > first.size:
-                break
         try:
+            async for part in request_iterator:
+                if first is None:
+                    first = part
+                    if first.size > cap:
+                        raise invalid(
+                            f"file.size: expected at most {cap} bytes (the server's "
+                            f"--max-upload-mib), got {first.size}"
+                        )
+                buf += part.data
+                if len(buf) > first.size:
+                    break
             if first is None:
                 raise invalid("file: expected at least one part, got none")
-            _wire.check_file(first.name, first.size, first.sha256, bytes(buf))
+            got = _wire.digest(buf)
+            if len(buf) != first.size or got != first.sha256:
+                raise invalid(
+                    f"file {_wire.shown(first.name)}: expected {first.size} bytes with sha256 "
+                    f"{_wire.shown(first.sha256)}, got {len(buf)} bytes with sha256 {got}"
+                )
         except RequestError as exc:
             await self._abort(context, exc)
-        except ValueError as exc:
-            await self._abort(context, invalid(str(exc)))
-        return first.session, bytes(buf)
+        return first.session, buf

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import zstandard
 
+from recorder_client._wire import shown
 from recorder_client.capture_types import (
     CheckpointFile,
     EpisodeOutcome,
@@ -25,6 +27,7 @@ from recorder_client.capture_types import (
     TrajectoryTrainingConfiguration,
 )
 
+from . import codec
 from .sources import EpisodeArrays, EpisodeSource, as_source
 from .store import TrajectoryStore, decode_checkpoint_state, encode_checkpoint_state
 
@@ -237,18 +240,27 @@ class TrajectoryCaptureProcessor:
         return {"format": RUNTIME_FORMAT, "counters": counters, "curriculum": curriculum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`runtime_state_dict` output. Unknown counters are ignored; curriculum
-        state is ignored when this processor has no store."""
+        """Restore :meth:`runtime_state_dict` output, checked like live input (ValueError
+        naming the field): known counter names only (a missing one starts at zero), each an
+        int in [0, 2**63), and a well-formed generator state. Curriculum state is ignored
+        when this processor has no store."""
         if not isinstance(state, Mapping) or state.get("format") != RUNTIME_FORMAT:
             got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"state: expected format {RUNTIME_FORMAT!r}, got {got!r}")
+            raise ValueError(f"state: expected format {RUNTIME_FORMAT!r}, got {shown(got)}")
+        saved = state.get("counters") or {}
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"state.counters: expected a mapping, got {type(saved).__name__}")
         counters = _new_counters()
-        for name, value in dict(state.get("counters") or {}).items():
-            if name in counters:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ValueError(f"state.counters.{name}: expected an int >= 0, got {value!r}")
-                counters[name] = value
+        unknown = sorted(str(name) for name in saved if name not in counters)
+        if unknown:
+            raise ValueError(
+                f"state.counters: expected names from {sorted(counters)}, got {shown(unknown[0])}"
+            )
+        for name, value in saved.items():
+            counters[name] = _count(value, f"state.counters.{name}")
         curriculum = state.get("curriculum")
+        if curriculum is not None:
+            _check_curriculum(curriculum)
         if self._store is not None and curriculum is not None:
             self._store.load_curriculum_state(curriculum)
         with self._lock:
@@ -278,11 +290,12 @@ class TrajectoryCaptureProcessor:
         )
 
     def load_trajectory_store_checkpoint_data(
-        self, state: dict[str, Any] | bytes | CheckpointFile
+        self, state: dict[str, Any] | bytes | CheckpointFile, *, max_bytes: int | None = None
     ) -> None:
         """Restore the store from a checkpoint: the decoded dict, the file's bytes (compressed
         or not), or a CheckpointFile (``data`` or ``path``; size and sha256 are checked).
-        Without a store this logs a warning and does nothing."""
+        ``max_bytes`` bounds the file's bytes as given and as decompressed (checked before
+        anything is inflated). Without a store this logs a warning and does nothing."""
         if self._store is None:
             logger.warning("trajectory store checkpoint ignored: trajectory training is disabled")
             return
@@ -291,13 +304,71 @@ class TrajectoryCaptureProcessor:
             digest = hashlib.sha256(data).hexdigest()
             if len(data) != state.size or digest != state.sha256:
                 raise ValueError(
-                    f"checkpoint file {state.name!r}: expected {state.size} bytes with sha256 "
-                    f"{state.sha256}, got {len(data)} bytes with sha256 {digest}"
+                    f"checkpoint file {shown(state.name)}: expected {state.size} bytes with "
+                    f"sha256 {state.sha256}, got {len(data)} bytes with sha256 {digest}"
                 )
             state = data
         if isinstance(state, (bytes, bytearray, memoryview)):
+            if max_bytes is not None:
+                check_checkpoint_size(state, max_bytes)
             state = decode_checkpoint_state(state)
         self._store.load_checkpoint_state(state)
+
+
+def check_checkpoint_size(data: bytes | bytearray | memoryview, max_bytes: int) -> None:
+    """ValueError unless a store checkpoint file's bytes, and its content when they are one
+    zstd frame, are at most ``max_bytes`` (read from the frame header, nothing inflated)."""
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"trajectory store checkpoint: expected at most {max_bytes} bytes, got {len(data)}"
+        )
+    if bytes(data[:4]) != codec.ZSTD_MAGIC:
+        return
+    try:
+        declared = zstandard.frame_content_size(bytes(data[:18]))
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"trajectory store checkpoint: corrupt zstd frame ({exc})") from None
+    if not 0 <= declared <= max_bytes:
+        got = "no size" if declared < 0 else f"{declared} bytes"
+        raise ValueError(
+            f"trajectory store checkpoint: expected a zstd frame of at most {max_bytes} bytes, "
+            f"it declares {got}"
+        )
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{what}: expected an int in [0, 2**63), got {shown(value)}")
+    return value
+
+
+def _check_curriculum(state: Any) -> None:
+    """ValueError naming the field unless ``state`` is a curriculum runtime state whose every
+    value is in range (the generator would otherwise take or choke on it)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"state.curriculum: expected a mapping, got {type(state).__name__}")
+    _count(state.get("starts"), "state.curriculum.starts")
+    _count(
+        state.get("unresolved_midpoint_starts", 0), "state.curriculum.unresolved_midpoint_starts"
+    )
+    rng = state.get("rng")
+    if not isinstance(rng, Mapping) or rng.get("bit_generator") != "PCG64":
+        raise ValueError(
+            f"state.curriculum.rng: expected a PCG64 generator state, got {shown(rng)}"
+        )
+    for name in ("state", "inc"):
+        text = rng.get(name)
+        if not isinstance(text, str) or not text.isdigit() or len(text) > 39 or int(text) >> 128:
+            raise ValueError(
+                f"state.curriculum.rng.{name}: expected a decimal string of an int in "
+                f"[0, 2**128), got {shown(text)}"
+            )
+    for name, bound in (("has_uint32", 2), ("uinteger", 1 << 32)):
+        value = rng.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+            raise ValueError(
+                f"state.curriculum.rng.{name}: expected an int in [0, {bound}), got {shown(value)}"
+            )
 
 
 def _check_int_step(step: Any) -> None:

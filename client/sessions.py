@@ -1,0 +1,83 @@
+"""Sessions as server resources: list them, drop one (no recorder needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._connection import Connection
+from ._credentials import PemSource
+from ._proto import recorder_pb2 as pb
+
+
+def _connection(
+    target: str,
+    token: str | None,
+    root_certificates: PemSource,
+    client_certificate: PemSource,
+    client_key: PemSource,
+    timeout: float,
+) -> Connection:
+    return Connection(
+        target,
+        token=token,
+        root_certificates=root_certificates,
+        client_certificate=client_certificate,
+        client_key=client_key,
+        rpc_timeout=timeout,
+        connect_timeout=timeout,
+    )
+
+
+def list_sessions(
+    target: str,
+    token: str | None = None,
+    *,
+    root_certificates: PemSource = None,
+    client_certificate: PemSource = None,
+    client_key: PemSource = None,
+    timeout: float = 10.0,
+) -> list[dict[str, Any]]:
+    """Every session the server holds, by name: ``name``, ``workers`` (active ones),
+    ``episodes``, ``num_recorded_steps``, ``raw_bytes``, ``wire_bytes``, ``idle_seconds``
+    and ``is_full``."""
+    connection = _connection(
+        target, token, root_certificates, client_certificate, client_key, timeout
+    )
+    try:
+        reply = connection.call("ListSessions", pb.ListSessionsRequest())
+    finally:
+        connection.close()
+    return [
+        {
+            "name": s.name,
+            "workers": s.workers,
+            "episodes": s.episodes,
+            "num_recorded_steps": s.num_recorded_steps,
+            "raw_bytes": s.raw_bytes,
+            "wire_bytes": s.wire_bytes,
+            "idle_seconds": s.idle_seconds,
+            "is_full": s.is_full,
+        }
+        for s in reply.sessions
+    ]
+
+
+def drop_session(
+    target: str,
+    name: str,
+    token: str | None = None,
+    *,
+    root_certificates: PemSource = None,
+    client_certificate: PemSource = None,
+    client_key: PemSource = None,
+    timeout: float = 10.0,
+) -> None:
+    """Drop a session: its memory, log records and checkpoint entries, durably, before this
+    returns. Raises UnknownSessionError for a name the server does not hold."""
+    connection = _connection(
+        target, token, root_certificates, client_certificate, client_key, timeout
+    )
+    try:
+        connection.call("DropSession", pb.DropSessionRequest(session=name))
+    finally:
+        connection.close()
