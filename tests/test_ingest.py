@@ -616,3 +616,23 @@ def test_ring_memory_when_the_kernel_refuses_the_advice(monkeypatch):
     assert ring.shape == (3, 64, 128) and not ring.any() and ring.flags.writeable
     ring[2, 63, 127] = 1.5
     assert float(ring.sum()) == 1.5
+
+
+def test_an_episode_keeps_its_outcome_across_chunks_sent_without_codes():
+    from recorder_server.ingest.tails import EpisodeSums, cumsum
+
+    sums = EpisodeSums(2)
+    codes = np.zeros((3, 2), np.int64)
+    codes[1, 0] = 1  # env 0 wins mid-episode; env 1 loses
+    codes[2, 1] = 2
+    none = np.empty(0, np.int64)
+    first = sums.close(cumsum(np.ones((3, 2), np.float32)), codes, 0, none, none, none)
+    assert first.outcomes.size == 0
+    # The next chunk has no codes; env 0 ends at its step 1, env 1 at its step 0.
+    env, start, end = np.array([0, 1]), np.array([0, 0]), np.array([5, 4])
+    second = sums.close(cumsum(np.ones((2, 2), np.float32)), None, 3, env, start, end)
+    assert second.outcomes.tolist() == [1, 2]
+    assert second.returns.tolist() == [5.0, 4.0]
+    # A new episode after the done starts without an outcome.
+    third = sums.close(cumsum(np.ones((1, 2), np.float32)), None, 5, env[:1], end[:1], end[:1] + 1)
+    assert third.outcomes.tolist() == [0]
