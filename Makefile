@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint protos bench clean
+.PHONY: demo test lint protos bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) bench/run.py
+
+# 64 workers record, finish and drop sessions for 20 minutes; server RSS and threads must stay
+# flat. Shorter: make soak SOAK_ARGS="--minutes 3".
+soak: $(STAMP)
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py

@@ -132,3 +132,65 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RestartableServer:
+    """`rollout-recorder serve` on a fixed 127.0.0.1 port with its stderr appended to a log
+    file. `kill()` (SIGKILL) or `stop()` (SIGTERM), then `start()` again on the same port and
+    data directory: a crash and a restart, as clients see them."""
+
+    def __init__(self, data_dir: Path, *extra: str, log_path: Path | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.extra = extra
+        self.log_path = log_path or data_dir.parent / f"server-{self.port}.log"
+        self.process: _launch.ServerProcess | None = None
+        self._log = None
+
+    def start(self, startup_timeout: float = 60.0) -> RestartableServer:
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - closed by kill() and stop()
+        args = ["--listen", self.address, "--data-dir", str(self.data_dir), *self.extra]
+        try:
+            self.process = _launch.ServerProcess(
+                args, stderr=self._log, startup_timeout=startup_timeout
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+        if self._log is not None:
+            self._log.close()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        code = self.process.stop(timeout) if self.process is not None else None
+        if self._log is not None:
+            self._log.close()
+        return code
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
