@@ -22,6 +22,7 @@ import recorder_client
 from recorder_client import RecorderUnavailableError, RolloutRecorder, _launch
 from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV
 from recorder_server.cli.main import LOG_ENV, build_parser, main
+from recorder_server.cli.sessions import render as render_sessions
 
 # The certificates (a CA, server and client leaves) test_security makes, as a fixture here too.
 pki = test_security.pki
@@ -228,3 +229,103 @@ def test_mutual_tls_flags(no_token_env, token_file, pki, capsys):
         assert main(["health", "--target", running.address, "--tls-ca", str(pki.ca), *mine]) == 0
     finally:
         running.stop()
+
+
+# -- sessions list | drop ----------------------------------------------------------------------
+def record_one(address: str, session: str, **kw) -> None:
+    done = np.zeros((4, 2), bool)
+    done[1, 0] = done[3, 1] = True
+    with RolloutRecorder(target=address, session=session, **kw) as rec:
+        rec.record({"action": np.zeros((4, 2)), "reward": np.ones((4, 2)), "done": done})
+        rec.flush()
+
+
+def test_sessions_list_and_drop(no_token_env, token_file, capsys):
+    running = start_secured()
+    try:
+        creds = ["--target", running.address, "--token-file", token_file]
+        assert main(["sessions", "list", *creds]) == 0
+        assert capsys.readouterr().out.strip() == "no sessions"
+        for name in ("beta", "alpha"):
+            record_one(running.address, name, token=TOKEN)
+        assert main(["sessions", "list", *creds]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split()[:3] == ["session", "workers", "episodes"]
+        assert [line.split()[0] for line in lines[1:]] == ["alpha", "beta"]
+        assert len({len(line) for line in lines}) == 1  # aligned: every line as wide
+        assert lines[1].split()[2] == "2"  # two episodes finished
+
+        assert main(["sessions", "list", "--json", *creds]) == 0
+        listed = {s["name"]: s for s in json.loads(capsys.readouterr().out)}
+        assert set(listed) == {"alpha", "beta"}
+        assert listed["alpha"]["episodes"] == 2 and listed["alpha"]["raw_bytes"] > 0
+        for key in ("workers", "wire_bytes", "idle_seconds"):
+            assert key in listed["alpha"]
+
+        assert main(["sessions", "drop", "alpha", *creds]) == 0
+        assert "dropped session 'alpha'" in capsys.readouterr().out
+        assert main(["sessions", "list", "--json", *creds]) == 0
+        assert [s["name"] for s in json.loads(capsys.readouterr().out)] == ["beta"]
+
+        # An unknown name, a missing token, a dead port: exit 1, one line.
+        assert main(["sessions", "drop", "alpha", *creds]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("rollout-recorder sessions drop: ") and err.count("\n") == 1
+        assert main(["sessions", "list", "--target", running.address]) == 1
+        assert "rollout-recorder sessions list: " in capsys.readouterr().err
+    finally:
+        running.stop()
+    assert main(["sessions", "list", "--target", running.address, "--timeout", "1"]) == 1
+    assert capsys.readouterr().err.startswith("rollout-recorder sessions list: ")
+
+
+def test_sessions_over_mutual_tls(no_token_env, token_file, pki, capsys):
+    running = start_secured(tls=(pki.server_cert, pki.server_key), client_ca=pki.ca)
+    try:
+        tls = {"root_certificates": pki.ca, "client_certificate": pki.client_cert}
+        record_one(running.address, "m", token=TOKEN, client_key=pki.client_key, **tls)
+        creds = ["--target", running.address, "--token-file", token_file, "--tls-ca", str(pki.ca)]
+        mine = ["--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]
+        assert main(["sessions", "list", *creds, *mine]) == 0
+        assert capsys.readouterr().out.splitlines()[1].split()[0] == "m"
+        assert main(["sessions", "list", *creds]) == 1  # no client certificate
+        capsys.readouterr()
+        assert main(["sessions", "drop", "m", *creds, *mine]) == 0
+    finally:
+        running.stop()
+
+
+def test_sessions_table_is_aligned():
+    rows = [
+        {
+            "name": "a",
+            "workers": 1,
+            "episodes": 12345,
+            "raw_bytes": 5e6,
+            "wire_bytes": 1e6,
+            "idle_seconds": 3.2,
+        },
+        {
+            "name": "longer-name",
+            "workers": 100,
+            "episodes": 0,
+            "raw_bytes": 0,
+            "wire_bytes": 0,
+            "idle_seconds": 1000.0,
+        },
+    ]
+    lines = render_sessions(rows).splitlines()
+    assert lines[0].split() == [
+        "session",
+        "workers",
+        "episodes",
+        "raw",
+        "MB",
+        "wire",
+        "MB",
+        "idle",
+        "s",
+    ]
+    assert lines[1].split() == ["a", "1", "12345", "5.0", "1.0", "3"]
+    assert lines[2].split() == ["longer-name", "100", "0", "0.0", "0.0", "1000"]
+    assert len({len(line) for line in lines}) == 1
