@@ -87,14 +87,20 @@ def token_from_metadata(metadata: Iterable[tuple[str, Any]] | None) -> str | Non
     return None
 
 
+async def _end(context: grpc.aio.ServicerContext, error: RequestError) -> None:
+    """End the call with the status `status_of` gives ``error`` (raises)."""
+    code, details, kind = status_of(error)
+    context.set_trailing_metadata(trailing(kind))
+    await context.abort(code, details)
+
+
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
 
-    code, details, kind = status_of(RequestError(ErrorKind.UNAUTHENTICATED, message))
+    refusal = RequestError(ErrorKind.UNAUTHENTICATED, message)
 
     async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        context.set_trailing_metadata(trailing(kind))
-        await context.abort(code, details)
+        await _end(context, refusal)
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,
@@ -177,15 +183,14 @@ async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malforme
         bad.message,
         bad.error,
     )
-    code, details, kind = status_of(
+    await _end(
+        context,
         RequestError(
             ErrorKind.INVALID,
             f"request: expected a {bad.message} message, got {bad.size} bytes that do not "
             "parse as one",
-        )
+        ),
     )
-    context.set_trailing_metadata(trailing(kind))
-    await context.abort(code, details)
 
 
 def _checked_one(method: str) -> Callable[..., Awaitable[Any]]:
