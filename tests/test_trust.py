@@ -271,7 +271,7 @@ def test_chunk_bombs_are_refused_from_their_headers(server):
             [ack] = record(server, "bombs", c)
         rejected(ack, *fields)
         assert len(ack.error_message) < 1200
-    roundtrip(server, "after-bombs")
+        roundtrip(server, "checks")
 
 
 def test_largest_default_chunk_is_taken_and_bounded(server):
@@ -328,7 +328,7 @@ def test_episode_and_upload_bombs_are_refused(server):
     for what, (call, fields) in bombs.items():
         with watched(server, what):
             refused(call, INVALID, *fields)
-    roundtrip(server, "after-uploads")
+        roundtrip(server, "checks")
 
 
 # -- right codes -------------------------------------------------------------------------------
@@ -471,9 +471,11 @@ def test_edited_runtime_states_are_refused_by_field(server):
         edited, more = edit(fn)
         with watched(server, what):
             refused(_load(server, "saved", edited, more), INVALID, "runtime state", field)
+        roundtrip(server, "checks")
     for name in ("../../etc", "a\x00b"):
         edited, more = edit(set_path(["name"], name))
         refused(_load(server, name, edited, more), INVALID, "session")
+        roundtrip(server, "checks")
     # The unedited state loads, and the session is as it was.
     _load(server, "saved", meta, blobs)()
     roundtrip(server, "after-restores")
