@@ -5,6 +5,7 @@
     python bench/soak.py                 # 20 minutes, a line every 30 s
     python bench/soak.py --minutes 3     # shorter
     python bench/soak.py --interval 10   # a line every 10 s
+    python bench/soak.py --serve-args=--no-metrics   # extra serve flags (mind the "=")
 
 One `rollout-recorder serve` (its data directory under bench/results/tmp/soak-<stamp>,
 removed at the end unless the run failed) and 8 worker processes of 8 threads: 64 workers,

@@ -177,7 +177,7 @@ def test_eight_workers_survive_five_kills_and_every_episode_is_there_once(tmp_pa
 
     try:
         for p in procs:
-            assert p.stdout.readline().strip() == "joined"
+            assert p.stdout.readline().strip() == "joined", worker_logs()
         for kill in range(KILLS):
             time.sleep(rng.uniform(0.2, 1.2))
             assert all(p.poll() is None for p in procs), (
