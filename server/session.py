@@ -27,6 +27,10 @@ from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
 logger = logging.getLogger(__name__)
 
+# Highest chunk sequence a worker may use or claim acknowledged: 2**40 chunks (35 years at
+# 1,000 a second), so that counts summed over any number of workers stay in 64 bits.
+MAX_SEQUENCE = 1 << 40
+
 # Workers forgotten after leaving or expiring whose last sequence a session remembers, so
 # that one joining again resumes where it was; the oldest go first beyond this many.
 MAX_FORGOTTEN = 65536
@@ -71,6 +75,12 @@ def check_worker_id(worker_id: str) -> str:
         return _wire.check_worker_id(worker_id)
     except ValueError as exc:
         raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
+
+
+def check_acked(acked: int) -> int:
+    if not 0 <= acked <= MAX_SEQUENCE:
+        raise invalid(f"acked_sequence: expected 0..{MAX_SEQUENCE}, got {acked}")
+    return acked
 
 
 class SessionMetrics:
@@ -169,6 +179,7 @@ class Session:
         less, the chunks in between were lost after their ack: they are counted, and the
         worker goes on from ``acked + 1``.
         """
+        check_acked(acked)
         with self.lock:
             self.check_join(worker_id, config)
             timeline = self.workers.get(worker_id)
@@ -229,6 +240,7 @@ class Session:
             self.forgotten.popitem(last=False)
         self._worker_locks.pop(worker_id, None)
         self.last_seen.pop(worker_id, None)
+        self.metrics.forget(session=self.name, worker=worker_id)
 
     def idle_workers(self, now: float, ttl: float) -> list[str]:
         """Active workers that neither joined nor sent a chunk for ``ttl`` seconds."""
@@ -489,13 +501,16 @@ class Session:
             return None
         return file.name, encode_checkpoint(file.data, compress=False)
 
-    def load_store_checkpoint(self, data: bytes) -> None:
-        """Replace the store with one from store_checkpoint (of any server)."""
+    def load_store_checkpoint(self, data: bytes, max_bytes: int | None = None) -> None:
+        """Replace the store with one from store_checkpoint (of any server); ``max_bytes``
+        bounds the file as framed and as decompressed, before either is expanded."""
         self.require_store("store checkpoint")
         self.drain()
         try:
-            payload = decode_checkpoint(data, source="store checkpoint")
-            self.processor.load_trajectory_store_checkpoint_data(payload)
+            payload = decode_checkpoint(
+                data, max_payload_bytes=max_bytes, source="store checkpoint"
+            )
+            self.processor.load_trajectory_store_checkpoint_data(payload, max_bytes=max_bytes)
         except (CheckpointError, ValueError) as exc:
             raise invalid(f"store checkpoint: {exc}") from None
 

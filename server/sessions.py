@@ -11,10 +11,12 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+from recorder_client import _wire
+
 from .chunks import SessionConfig
 from .durability import records, snapshot
 from .errors import ErrorKind, RequestError
-from .session import Journal, Session, append, check_session_name
+from .session import Journal, Session, append, check_acked, check_session_name
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class Sessions:
         """Create the session on first use and add (or resume) the worker; logged before it
         counts. Returns the session and the last sequence it held for the worker."""
         name = check_session_name(name)
+        check_acked(acked)
         with self._lock:
             session = self._sessions.get(name)
             if session is None:
@@ -132,6 +135,7 @@ class Sessions:
                 session.dropped = True
                 del self._sessions[name]
         session.close()
+        self.metrics.forget(session=name)
         logger.info("session %r dropped", name)
 
     def idle(self, now: float, session_ttl: float, worker_ttl: float):
@@ -170,7 +174,9 @@ class Sessions:
             raise snapshot.SnapshotError("state: expected a mapping")
         name = meta.get("name")
         if not isinstance(name, str):
-            raise snapshot.SnapshotError(f"state.name: expected a session name, got {name!r}")
+            raise snapshot.SnapshotError(
+                f"state.name: expected a session name, got {_wire.shown(repr(name))}"
+            )
         try:
             check_session_name(name)
         except RequestError as exc:
@@ -178,7 +184,7 @@ class Sessions:
         config = snapshot.session_config(meta)
         session = self._new(name, config)
         try:
-            snapshot.restore_session(session, meta, blobs)
+            snapshot.restore_session(session, meta, blobs, self.limits if limit else None)
         except BaseException:
             session.close()
             raise
@@ -186,10 +192,10 @@ class Sessions:
             old = self._sessions.get(name)
             if limit and old is None and len(self._sessions) >= self.limits.max_sessions:
                 session.close()
-                raise RequestError(
-                    ErrorKind.LIMIT,
-                    f"session: this server allows at most {self.limits.max_sessions} "
-                    f"sessions, got a new one ({name!r})",
+                raise snapshot.SnapshotError(
+                    f"state.name: this server allows at most {self.limits.max_sessions} "
+                    f"sessions and holds as many, got a new one ({_wire.shown(name)}); load "
+                    "into an existing session, or drop one first"
                 )
             self._sessions[name] = session
         if old is not None:

@@ -298,7 +298,8 @@ def valid_messages(draw, method: str) -> list[tuple[str, list]]:
     store_session = draw(st.sampled_from(WITH_STORE))
     # Mostly a new worker (its chunks reach the checks behind the sequence numbers), else one
     # of a few that already exist.
-    worker = f"fw-{next(FRESH)}" if draw(st.booleans()) else f"fw-old-{draw(st.integers(0, 3))}"
+    # Fixed width: a replayed example draws the same byte offsets whatever the counter says.
+    worker = f"fw-{next(FRESH):09d}" if draw(st.booleans()) else f"fw-old-{draw(st.integers(0, 3))}"
     assert FILES is not None
     if method == "Join":
         return [

@@ -488,9 +488,10 @@ def test_states_beyond_the_session_and_worker_caps_are_refused(tmp_path):
         roundtrip(server, "one")
         meta, blobs = _state(server, "one")
         roundtrip(server, "two")
-        # Like a join past --max-sessions: RESOURCE_EXHAUSTED (a drop makes room).
+        # A new session past --max-sessions: refused like any other invalid state (a drop
+        # makes room).
         meta["name"] = "three"
-        refused(_load(server, "three", meta, blobs), grpc.StatusCode.RESOURCE_EXHAUSTED, "session")
+        refused(_load(server, "three", meta, blobs), INVALID, "state.name", "at most 2 sessions")
         # A state with more active workers than this server allows: never loadable here.
         meta["name"] = "two"
         workers = json.loads(json.dumps(meta))

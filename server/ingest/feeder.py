@@ -44,6 +44,8 @@ def _scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     arr = cache.get(key)
     if arr is None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if nbytes > _SCRATCH_BYTES:  # a rare big chunk: its buffer goes with it
+            return np.empty(shape, dtype=dtype)
         if sum(a.nbytes for a in cache.values()) + nbytes > _SCRATCH_BYTES:
             cache.clear()
         arr = cache[key] = np.empty(shape, dtype=dtype)
@@ -186,14 +188,24 @@ class EpisodeFeeder:
             if timeline is None or worker.held is None or not worker.sums.num_envs:
                 continue
             worker.oldest_open = timeline.oldest_open()
-            for chunk in timeline.chunks:
-                if chunk.t0 + chunk.length > worker.oldest_open:
-                    arrays = {
-                        k: a.decode()
-                        for k, a in chunk.arrays.items()
-                        if k == "reward" or k.startswith("state:")
-                    }
-                    self._hold(worker, chunk, arrays)
+            # The newest chunks open episodes need, as many as the tail budget holds (what
+            # trim() would have kept): only those are decoded.
+            width = len(self.store.configuration.cell_fields)
+            kept, cost = [], 0
+            for chunk in reversed(timeline.chunks):
+                if chunk.t0 + chunk.length <= worker.oldest_open:
+                    break
+                cost += chunk.length * worker.sums.num_envs * 8 * (width + 1)
+                if kept and cost > self.max_tail_bytes:
+                    break
+                kept.append(chunk)
+            for chunk in reversed(kept):
+                arrays = {
+                    k: a.decode()
+                    for k, a in chunk.arrays.items()
+                    if k == "reward" or k.startswith("state:")
+                }
+                self._hold(worker, chunk, arrays)
 
     # -- the thread ----------------------------------------------------------
     def _run(self) -> None:

@@ -351,6 +351,24 @@ class MetricsTracker:
                 self._register(key, tag, lkey, _GAUGE)
             self._gauges[key] = (value, seq)
 
+    def forget(self, **labels: object) -> int:
+        """Drop every series that carries these label values (a dropped session's, a
+        forgotten worker's); returns how many went."""
+        want = set(_label_key(labels))
+        with self._lock:
+            doomed = [
+                key
+                for key, series in self._series.items()
+                if want <= set(zip(series.label_names, series.label_values, strict=True))
+            ]
+            for key in doomed:
+                series = self._series.pop(key)
+                self._counters.pop(key, None)
+                self._gauges.pop(key, None)
+                self._scalars.pop(key, None)
+                self._folded_owner.pop(series.folded, None)
+        return len(doomed)
+
     # ------------------------------------------------------------------ reading values
 
     def snapshot(self) -> dict[str, float]:
@@ -534,6 +552,9 @@ class NullMetrics:
 
     def snapshot(self) -> dict[str, float]:
         return {}
+
+    def forget(self, **labels: object) -> int:
+        return 0
 
     def start_http(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         raise ValueError("metrics: --metrics-listen needs metrics; the server runs --no-metrics")

@@ -28,7 +28,6 @@ from ..errors import ErrorKind, RequestError, invalid
 from ..lifecycle import Lifecycle
 from ..session import Applied, Session
 from ..store import kernels
-from ..store.processor import check_checkpoint_size
 from . import convert
 from .offload import Offload
 
@@ -278,16 +277,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
 
     def _load_store(self, name: str, data: bytearray) -> pb.LoadReply:
         session = self.sessions.get(name)
-        cap = self.limits.max_upload_bytes
-        try:
-            # Bounded before the session inflates it: the framed payload, and the store file
-            # inside it when that is a zstd frame.
-            payload = decode_checkpoint(data, max_payload_bytes=cap, source="store checkpoint")
-            check_checkpoint_size(payload, cap)
-        except (CheckpointError, ValueError) as exc:
-            raise invalid(f"store checkpoint: {exc}") from None
-        del payload
-        session.load_store_checkpoint(data)
+        session.load_store_checkpoint(data, self.limits.max_upload_bytes)
         self._checkpoint_after_load()
         return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
 
