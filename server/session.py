@@ -7,11 +7,12 @@ names the field, what was expected and what arrived; a refused request changes n
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from recorder_client import _wire
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
@@ -232,7 +233,7 @@ class Session:
             return True
 
     def _forget(self, worker_id: str) -> None:
-        # Call with the worker's lock and the session lock held.
+        # Call with the session lock held (and the worker's lock, unless it is inactive).
         del self.workers[worker_id]
         self.forgotten[worker_id] = self.last_sequence.pop(worker_id)
         self.forgotten.move_to_end(worker_id)
@@ -354,6 +355,16 @@ class Session:
         self.metrics.inc("Recorder/chunks_dropped_full", 1, session=self.name)
         return Applied.DROPPED_FULL
 
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Hold every worker's lock, then the session lock: no chunk is between taking its
+        sequence and being stored, so a snapshot's sequences match its chunks."""
+        with contextlib.ExitStack() as stack:
+            for lock in list(self._worker_locks.values()):
+                stack.enter_context(lock)
+            stack.enter_context(self.lock)
+            yield
+
     # -- results ---------------------------------------------------------
     def assemble(self, pad_incomplete: bool) -> Assembly:
         with self.lock:
@@ -383,9 +394,10 @@ class Session:
                 timeline.clear()
             self.clear_counters()
             # Workers that left or expired held a place only for their chunks.
+            # (No worker lock: an inactive worker's chunk is refused before it changes
+            # anything, and lock order is worker locks, then the session lock.)
             for worker_id in [w for w in self.workers if w not in self.active]:
-                with self._worker_locks[worker_id]:
-                    self._forget(worker_id)
+                self._forget(worker_id)
 
     def status(self) -> SessionStatus:
         now = time.monotonic()

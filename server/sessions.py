@@ -231,7 +231,7 @@ class Sessions:
         stack.enter_context(self._lock)
         sessions = sorted(self._sessions.values(), key=lambda s: s.name)
         for session in sessions:
-            stack.enter_context(session.lock)
+            stack.enter_context(session.quiet())
         for session in sessions:
             session.drain()
         return sessions

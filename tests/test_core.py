@@ -354,3 +354,48 @@ def test_finish_parts_cover_every_row_once_across_workers(part_bytes):
             assert len(parts) == 1  # three workers' rows in one part
     finally:
         session.close()
+
+
+def test_a_checkpoint_taken_while_a_chunk_is_decoded_replays_that_chunk():
+    """A chunk takes its sequence before it is decoded and stored: a snapshot in between
+    must not record the sequence without the chunk (its log record, after the snapshot's
+    cut, would then be skipped as a resend)."""
+    import threading
+    from contextlib import ExitStack
+
+    from recorder_server.durability import snapshot
+
+    log: list[bytes] = []
+    limits = ServiceLimits()
+    live = Sessions(limits, NullMetrics(), journal=lambda parts: log.append(b"".join(parts)))
+    config = SessionConfig(None, False, ())
+    session, _ = live.join("run", config, "w")
+    session.apply("w", _simple(1, 4, 2, [(1, 0)]))
+    entered, go = threading.Event(), threading.Event()
+    alloc = session.feeder.alloc
+
+    def slow_alloc(*args):
+        entered.set()
+        go.wait(5)
+        return alloc(*args)
+
+    session.feeder.alloc = slow_alloc
+    worker = threading.Thread(target=session.apply, args=("w", _simple(2, 4, 2, [(3, 1)])))
+    worker.start()
+    assert entered.wait(5)
+    threading.Timer(0.3, go.set).start()
+    with ExitStack() as stack:  # as a checkpoint does
+        live.lock_all(stack)
+        cut = len(log)
+        meta, blobs = snapshot.session_state(session)
+    worker.join(5)
+    restored = Sessions(limits, NullMetrics())
+    try:
+        restored.restore(json.loads(json.dumps(meta)), [memoryview(b) for b in blobs])
+        for record in log[cut:]:
+            restored.replay(record)
+        assert restored.get("run").status() == session.status()
+        assert session.status().chunks_stored == 2
+    finally:
+        live.close()
+        restored.close()

@@ -482,6 +482,30 @@ def test_edited_runtime_states_are_refused_by_field(server):
     assert server.stub.GetMetrics(pb.MetricsRequest(), timeout=30).uptime_s > 0
 
 
+def test_a_state_whose_open_episode_spans_many_big_chunks_is_loaded_within_bounds(server):
+    """A few KB of state can name a hundred chunks of 2M env steps each, all of one open
+    episode (every chunk refers to the same small blobs): loading it decodes only the
+    newest chunks the store's tail budget holds, not all of them."""
+    join(server, "tail", capture=True)
+    t, n = 128, 16384
+    with watched(server, "one chunk of 2M env steps"):
+        record(server, "tail", chunk(t, n, player_positions=zeros("<i4", [t, n, 2])))
+    meta, blobs = _state(server, "tail")
+    worker = next(w for w in meta["workers"] if w["id"] == "w")
+    first = worker["chunks"][0]
+    worker["chunks"] = [{**first, "t0": i * t} for i in range(120)]
+    worker["t_total"] = 120 * t
+    meta["counters"]["num_recorded_steps"] = 120 * t
+    meta["counters"]["env_steps"] = 120 * t * n
+    meta["counters"]["chunks_stored"] = 120
+    meta["name"] = "tail-loaded"
+    size = len(snapshot.pack(meta, blobs))
+    with watched(server, f"a {size // 1024} KiB state of 120 such chunks"):
+        _load(server, "tail-loaded", meta, blobs)()
+    # (A finish of that session would be 16,384 episodes of 15,360 steps: not a check.)
+    roundtrip(server, "after-tail")
+
+
 def test_states_beyond_the_session_and_worker_caps_are_refused(tmp_path):
     server = Server(tmp_path, "--max-sessions", "2", "--max-workers", "2", "--no-wal")
     try:

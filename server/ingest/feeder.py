@@ -98,7 +98,7 @@ class EpisodeFeeder:
         metrics,
         *,
         queue_chunks: int = 32,
-        max_tail_bytes: int = 256 << 20,
+        max_tail_bytes: int = 128 << 20,
         max_batch: int = 32,
     ) -> None:
         self.session = session

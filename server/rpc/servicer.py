@@ -288,7 +288,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     # -- runtime state and checkpoints -----------------------------------
     def _state_file(self, name: str) -> list[pb.FilePart]:
         session = self.sessions.get(name)
-        with session.lock:
+        with session.quiet():
             session.drain()
             meta, blobs = snapshot.session_state(session)
             data = snapshot.pack(meta, blobs)
