@@ -504,6 +504,13 @@ class Session:
         except ValueError as exc:
             raise invalid(str(exc)) from None
 
+    def archive(self) -> dict | None:
+        """The cell archive as numpy columns after every chunk taken so far reached the store
+        (`TrajectoryCaptureProcessor.archive_table`); None without a store."""
+        self.touch()
+        self.drain()
+        return self.processor.archive_table()
+
     def store_checkpoint(self, compress: bool, step: int) -> tuple[str, bytes] | None:
         """The store as (file name, bytes in the checksummed checkpoint format), or None
         without a store."""

@@ -28,6 +28,7 @@ from recorder_client.capture_types import (
 )
 
 from . import codec
+from .curriculum import start_weights
 from .sources import EpisodeArrays, EpisodeSource, as_source
 from .store import TrajectoryStore, decode_checkpoint_state, encode_checkpoint_state
 
@@ -213,6 +214,40 @@ class TrajectoryCaptureProcessor:
     def sample_start(self) -> tuple[TrajectorySliceReference, EpisodeArrays] | None:
         """A curriculum start (reference + prefix); None without a store or cells."""
         return None if self._store is None else self._store.sample_start()
+
+    def archive_table(self) -> dict[str, np.ndarray] | None:
+        """The cell archive as numpy columns, one row per cell in first-seen order; None
+        without a store. Keys: ``cell:<field name>`` (int64) per cell-key field, ``visits``,
+        ``times_chosen``, ``first_seen_step`` (the step passed with the episode that first
+        reached the cell), ``midpoint_starts`` (int64); ``best_return`` (float64, the
+        cumulative reward up to and including the best reference's step),
+        ``best_length`` (int64, steps of that prefix: ``best_step + 1``),
+        ``best_trajectory_id`` and ``best_step`` (the best reference, int64);
+        ``selection_probability`` (float64, the chance sample_start picks the cell now) and
+        ``utility:<name>`` (float64, the utility's net value: sum / visits) per utility."""
+        store = self._store
+        if store is None:
+            return None
+        cols = store.archive_columns()
+        keys = cols["keys"]
+        visits = cols["visits"]
+        times = cols["times_chosen"]
+        table = {f"cell:{name}": keys[:, i].copy() for i, name in enumerate(store.key_names)}
+        table["visits"] = visits
+        table["times_chosen"] = times
+        table["first_seen_step"] = cols["first_seen_step"]
+        table["best_return"] = cols["best_return"]
+        table["best_length"] = cols["best_step"] + 1
+        table["best_trajectory_id"] = cols["best_trajectory"]
+        table["best_step"] = cols["best_step"]
+        table["midpoint_starts"] = cols["midpoint_starts"]
+        weights = start_weights(times, store.configuration.selection_power)
+        total = weights.sum()
+        table["selection_probability"] = weights / total if total > 0 else weights
+        divisor = np.maximum(visits, 1).astype(np.float64)
+        for name in store.utility_names:
+            table[f"utility:{name}"] = cols[f"utility/{name}"] / divisor
+        return table
 
     def log_metrics(self, step: int) -> None:
         """Emit every ``Trajectories/*`` metric in one ``metrics.log_many`` call."""

@@ -435,6 +435,21 @@ class TrajectoryStore:
             midpoint_starts=mid,
         )
 
+    def archive_columns(self) -> dict[str, np.ndarray]:
+        """Copies of the archive, one row per cell in first-seen order, taken under one lock:
+        ``keys`` (N, F), the per-cell columns (``visits``, ``times_chosen``,
+        ``first_seen_step``, ``best_trajectory``, ``best_step``, ``best_return``...),
+        ``utility/<name>`` sums, and ``midpoint_starts``."""
+        with self._lock:
+            n = len(self._archive)
+            out = self._archive.state_arrays()
+            out.update(self._utilities.state_arrays(n))
+            keys = out["keys"]
+            counts = self._curriculum.midpoint_counts
+            mid = [counts.get(k, 0) for k in map(tuple, keys.tolist())] if counts else []
+        out["midpoint_starts"] = np.array(mid, dtype=np.int64) if mid else np.zeros(n, np.int64)
+        return out
+
     def cell_keys(self) -> list[TrajectoryKey]:
         """Every cell key, in first-seen order."""
         with self._lock:
