@@ -348,8 +348,9 @@ class ChunkSender:
             self._stalled_since, self._backoff = now, 0.0
         else:
             # Reconnected before and no ack since: the server keeps refusing this stream.
-            # Back off, and give up once that has gone on for reconnect_timeout.
-            if now - self._stalled_since > self._reconnect_timeout:
+            # Back off, and give up once that has gone on for reconnect_timeout (unless the
+            # server is only out of space: that is waited out).
+            if not patient and now - self._stalled_since > self._reconnect_timeout:
                 self._fail(
                     RecorderError(
                         f"the recorder server at {self._target} kept ending this worker's "
