@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS = {
+    "ArchiveColumns": "capture_types",
     "AuthenticationError": "errors",
     "CellField": "capture_types",
     "CheckpointFile": "capture_types",
@@ -21,6 +22,7 @@ _EXPORTS = {
     "EpisodeOutcome": "capture_types",
     "InvalidChunkError": "errors",
     "InvalidNameError": "errors",
+    "InvalidQueryError": "errors",
     "NoDataError": "errors",
     "OutcomeRule": "capture_types",
     "RecorderError": "errors",
@@ -30,6 +32,7 @@ _EXPORTS = {
     "RolloutRecorder": "recorder",
     "SessionMismatchError": "errors",
     "SessionStatus": "status",
+    "StoreNotConfiguredError": "errors",
     "StreamStats": "_stream",
     "Trajectory": "trajectory",
     "TrajectoryKey": "capture_types",
@@ -43,6 +46,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "ArchiveColumns",
     "AuthenticationError",
     "CellField",
     "CheckpointFile",
@@ -51,6 +55,7 @@ __all__ = [
     "EpisodeOutcome",
     "InvalidChunkError",
     "InvalidNameError",
+    "InvalidQueryError",
     "NoDataError",
     "OutcomeRule",
     "RecorderError",
@@ -60,6 +65,7 @@ __all__ = [
     "RolloutRecorder",
     "SessionMismatchError",
     "SessionStatus",
+    "StoreNotConfiguredError",
     "StreamStats",
     "Trajectory",
     "TrajectoryKey",
@@ -91,6 +97,7 @@ if TYPE_CHECKING:
     from ._stream import StreamStats
     from .capture import Episode, RemoteCapture
     from .capture_types import (
+        ArchiveColumns,
         CellField,
         CheckpointFile,
         EpisodeOutcome,
@@ -105,11 +112,13 @@ if TYPE_CHECKING:
         DataLossError,
         InvalidChunkError,
         InvalidNameError,
+        InvalidQueryError,
         NoDataError,
         RecorderError,
         RecorderUnavailableError,
         ResourceExhaustedError,
         SessionMismatchError,
+        StoreNotConfiguredError,
         UnknownSessionError,
     )
     from .recorder import RolloutRecorder

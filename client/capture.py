@@ -14,9 +14,20 @@ from typing import Any
 import numpy as np
 
 from ._connection import Connection
-from ._messages import episode_from_proto, episode_to_proto, file_parts, join_parts
+from ._messages import (
+    array_from_proto,
+    episode_from_proto,
+    episode_to_proto,
+    file_parts,
+    join_parts,
+)
 from ._proto import recorder_pb2 as pb
-from .capture_types import CheckpointFile, EpisodeOutcome, TrajectorySliceReference
+from .capture_types import (
+    ArchiveColumns,
+    CheckpointFile,
+    EpisodeOutcome,
+    TrajectorySliceReference,
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,21 @@ class RemoteCapture:
         self._session = session
         # Called before every verb: the store then reflects every chunk this worker recorded.
         self._flush = flush
+        self._enabled: bool | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the session has a trajectory store (it was created with ``capture=``).
+
+        Without one, the seed's verbs answer as the seed documents for a processor without a
+        store (`snapshot_potential` ``{}``, `sample_start` and
+        `trajectory_store_checkpoint_file` None, `record_episode` only counts), and
+        `archive` and `load_trajectory_store_checkpoint_data` raise StoreNotConfiguredError.
+        """
+        if self._enabled is None:
+            reply = self._connection.call("GetStatus", pb.StatusRequest(session=self._session))
+            self._enabled = bool(reply.config.capture_config_json)
+        return self._enabled
 
     def _call(self, method: str, request: Any) -> Any:
         self._flush()
@@ -73,17 +99,28 @@ class RemoteCapture:
         return int(self._call("SubmitEpisode", request).episodes_captured)
 
     def sample_start(self) -> tuple[TrajectorySliceReference, Episode] | None:
-        """A curriculum start and its recorded prefix; None without a store or cells."""
+        """A curriculum start (its reference names the chosen cell) and its recorded prefix;
+        None without a store or cells."""
         reply = self._call("SampleStart", pb.SampleStartRequest(session=self._session))
         if not reply.found:
             return None
-        ref = TrajectorySliceReference(reply.reference.trajectory_id, reply.reference.step)
+        ref = TrajectorySliceReference(
+            reply.reference.trajectory_id, reply.reference.step, tuple(reply.cell)
+        )
         return ref, Episode(**episode_from_proto(reply.prefix, "prefix"))
+
+    def archive(self) -> ArchiveColumns:
+        """The cell archive as numpy columns, after every chunk this worker recorded reached
+        the store; StoreNotConfiguredError without a store."""
+        reply = self._call("GetArchive", pb.ArchiveRequest(session=self._session))
+        columns = {c.name: array_from_proto(c.array, f"archive.{c.name}") for c in reply.columns}
+        return ArchiveColumns.from_columns(columns, reply.key_names, reply.utility_names)
 
     def snapshot_potential(
         self, utility_key: str, field_names: list[str]
     ) -> dict[tuple[int, ...], float]:
-        """{(cell values of field_names): net value}; {} when the store is off."""
+        """{(cell values of field_names): net value}; {} when the store is off.
+        InvalidQueryError for an unknown utility or field name (or a field given twice)."""
         reply = self._call(
             "SnapshotPotential",
             pb.SnapshotPotentialRequest(

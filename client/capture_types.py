@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 TrajectoryKey = tuple[int, ...]
@@ -347,10 +347,16 @@ class TrajectorySliceReference:
     """Repository id of the trajectory (ids grow with each episode the store records)."""
     step: int = 0
     """0-based step within that trajectory; the prefix runs up to and including it."""
+    cell: tuple[int, ...] | None = field(default=None, compare=False)
+    """The archive cell this reference reaches (its key, one int per cell-key field), when
+    known: ``sample_start`` names the cell it chose. Not part of equality or hashing."""
 
     def __post_init__(self) -> None:
         _check_int("TrajectorySliceReference", "trajectory_id", self.trajectory_id, 0)
         _check_int("TrajectorySliceReference", "step", self.step, 0)
+        if self.cell is not None:
+            cell = _as_tuple("TrajectorySliceReference", "cell", self.cell)
+            object.__setattr__(self, "cell", tuple(int(v) for v in cell))
 
     def to_dict(self) -> dict[str, int]:
         return {"trajectory_id": self.trajectory_id, "step": self.step}
@@ -374,3 +380,114 @@ class CheckpointFile:
     """The payload, when held in memory."""
     path: str | None = None
     """Where the payload was written, when on disk."""
+
+
+@dataclass(frozen=True, eq=False)
+class ArchiveColumns:
+    """The trajectory store's cell archive as numpy columns (``recorder.capture.archive()``).
+
+    One row per cell, in the order cells were first seen; every column has shape (cells,).
+    """
+
+    key_names: tuple[str, ...]
+    """Names of the cell-key fields (:attr:`CellField.key_name`), in key order."""
+    cells: dict[str, Any]
+    """The cell key per field: ``{key name: int64 column}``."""
+    visits: Any
+    """int64: steps spent in the cell over every recorded episode."""
+    times_chosen: Any
+    """int64: times ``sample_start`` chose the cell."""
+    first_seen_step: Any
+    """int64: the step recorded with the episode that first reached the cell."""
+    best_return: Any
+    """float64: cumulative reward of the best known way to the cell, up to and including it."""
+    best_length: Any
+    """int64: steps of that best prefix (``best_step + 1``)."""
+    best_trajectory_id: Any
+    """int64: the best reference's trajectory id."""
+    best_step: Any
+    """int64: the best reference's 0-based step in that trajectory."""
+    selection_probability: Any
+    """float64: the chance that the next ``sample_start`` picks the cell (sums to 1)."""
+    utilities: dict[str, Any]
+    """Each utility's net value (sum / visits): ``{utility name: float64 column}``."""
+    midpoint_starts: Any
+    """int64: episodes recorded with a start reference into the cell."""
+
+    def __len__(self) -> int:
+        return len(self.visits)
+
+    @property
+    def keys(self) -> Any:
+        """The cell keys as one (cells, fields) int64 array, columns in key order."""
+        import numpy as np
+
+        if not self.key_names:
+            return np.zeros((len(self), 0), dtype=np.int64)
+        return np.stack([self.cells[n] for n in self.key_names], axis=1)
+
+    @property
+    def best_reference(self) -> Any:
+        """The best references as one (cells, 2) int64 array of (trajectory id, step)."""
+        import numpy as np
+
+        return np.stack([self.best_trajectory_id, self.best_step], axis=1)
+
+    def index(self, cell: TrajectoryKey) -> int | None:
+        """The row of a cell key (one int per key field), or None when the archive lacks it."""
+        key = tuple(int(v) for v in cell)
+        if len(key) != len(self.key_names):
+            raise ValueError(
+                f"cell: expected {len(self.key_names)} ints ({list(self.key_names)}), got {cell!r}"
+            )
+        hits = (self.keys == key).all(axis=1).nonzero()[0] if len(self) else ()
+        return int(hits[0]) if len(hits) else None
+
+    def reference(self, row: int) -> TrajectorySliceReference:
+        """The best reference of the cell in ``row``, naming its cell."""
+        return TrajectorySliceReference(
+            int(self.best_trajectory_id[row]),
+            int(self.best_step[row]),
+            tuple(int(self.cells[n][row]) for n in self.key_names),
+        )
+
+    def columns(self) -> dict[str, Any]:
+        """Every column under the server's names (``cell:<name>``, ``utility:<name>``, ...)."""
+        out = {f"cell:{n}": self.cells[n] for n in self.key_names}
+        for name in (
+            "visits",
+            "times_chosen",
+            "first_seen_step",
+            "best_return",
+            "best_length",
+            "best_trajectory_id",
+            "best_step",
+            "midpoint_starts",
+            "selection_probability",
+        ):
+            out[name] = getattr(self, name)
+        out.update({f"utility:{n}": v for n, v in self.utilities.items()})
+        return out
+
+    @classmethod
+    def from_columns(
+        cls, columns: Mapping[str, Any], key_names: Iterable[str], utility_names: Iterable[str]
+    ) -> ArchiveColumns:
+        """Inverse of :meth:`columns` (ValueError naming a missing column)."""
+        key_names, utility_names = tuple(key_names), tuple(utility_names)
+        wanted = [f"cell:{n}" for n in key_names] + [f"utility:{n}" for n in utility_names]
+        wanted += [f.name for f in fields(cls) if f.name not in ("key_names", "cells", "utilities")]
+        missing = [name for name in wanted if name not in columns]
+        if missing:
+            raise ValueError(f"archive: expected columns {wanted}, missing {missing}")
+        plain = {
+            f.name: columns[f.name]
+            for f in fields(cls)
+            if f.name not in ("key_names", "cells", "utilities")
+        }
+        return cls(
+            key_names=key_names,
+            cells={n: columns[f"cell:{n}"] for n in key_names},
+            utilities={n: columns[f"utility:{n}"] for n in utility_names},
+            **plain,
+        )

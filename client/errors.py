@@ -28,6 +28,17 @@ class InvalidNameError(RecorderError, ValueError):
     [A-Za-z0-9._-] not starting with '.' for sessions; 1-128 printable ones for workers)."""
 
 
+class InvalidQueryError(RecorderError, ValueError):
+    """A store query was asked wrongly (an unknown utility or cell-key field name, a field
+    given twice): the message names the argument, the expected and the received value."""
+
+
+class StoreNotConfiguredError(RecorderError):
+    """A trajectory-store verb on a session without a store (created without ``capture=``),
+    or ``capture=`` on a server that cannot run a store (the message names the pip line).
+    ``recorder.capture.enabled`` tells beforehand."""
+
+
 class UnknownSessionError(RecorderError, LookupError):
     """No session of that name on the server (never joined, or dropped)."""
 
@@ -62,6 +73,8 @@ _BY_KIND: dict[str, type[RecorderError]] = {
     "no_data": NoDataError,
     "invalid_name": InvalidNameError,
     "unknown_session": UnknownSessionError,
+    "invalid_query": InvalidQueryError,
+    "no_store": StoreNotConfiguredError,
 }
 
 

@@ -16,6 +16,8 @@ class ErrorKind(enum.Enum):
 
     INVALID = "invalid"
     """A malformed or inconsistent request: fix the request."""
+    INVALID_QUERY = "invalid_query"
+    """A store query named an unknown utility or cell-key field (or one twice)."""
     INVALID_NAME = "invalid_name"
     """A session name or worker id outside the naming rule."""
     SESSION_MISMATCH = "session_mismatch"

@@ -502,7 +502,7 @@ class Session:
         try:
             return self.processor.snapshot_potential(utility_key, field_names)
         except ValueError as exc:
-            raise invalid(str(exc)) from None
+            raise RequestError(ErrorKind.INVALID_QUERY, str(exc)) from None
 
     def archive(self) -> dict | None:
         """The cell archive as numpy columns after every chunk taken so far reached the store

@@ -13,6 +13,7 @@ from recorder_client import (
     CellField,
     EpisodeOutcome,
     InvalidChunkError,
+    InvalidQueryError,
     RolloutRecorder,
     TrajectorySliceReference,
     TrajectoryTrainingConfiguration,
@@ -175,7 +176,7 @@ def test_store_off_behaves_as_the_seed_says_and_ingest_works(target):
 
 def test_bad_store_requests_name_the_problem(target):
     with RolloutRecorder(target=target, session="badstore", capture=CONFIG) as rec:
-        with pytest.raises(InvalidChunkError, match="nope"):
+        with pytest.raises(InvalidQueryError, match="nope"):
             rec.capture.snapshot_potential("nope", ["x"])
         with pytest.raises(InvalidChunkError, match="leading length"):
             rec.capture.record_episode([1, 2, 3], [0.0], outcome="WIN")

@@ -10,6 +10,7 @@ import sys
 import recorder_client
 
 EXPECTED = {
+    "ArchiveColumns",
     "AuthenticationError",
     "CellField",
     "CheckpointFile",
@@ -35,6 +36,8 @@ EXPECTED = {
     "__version__",
     "DataLossError",
     "InvalidNameError",
+    "InvalidQueryError",
+    "StoreNotConfiguredError",
     "UnknownSessionError",
     "drop_session",
     "list_sessions",
@@ -56,6 +59,9 @@ def test_errors_are_the_python_exceptions_users_catch():
     assert issubclass(recorder_client.InvalidChunkError, ValueError)
     assert issubclass(recorder_client.SessionMismatchError, ValueError)
     assert issubclass(recorder_client.RecorderUnavailableError, ConnectionError)
+    assert issubclass(recorder_client.InvalidQueryError, ValueError)
+    assert not issubclass(recorder_client.InvalidQueryError, recorder_client.InvalidChunkError)
+    assert issubclass(recorder_client.StoreNotConfiguredError, recorder_client.RecorderError)
 
 
 _MODULES = "import sys, json; {imports}; print(json.dumps(sorted(sys.modules)))"

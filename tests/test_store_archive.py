@@ -4,6 +4,7 @@ scripted scenario."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from recorder_client.capture_types import (
     CellField,
@@ -117,3 +118,96 @@ def test_archive_table_of_an_empty_store_has_every_column():
     table = processor.archive_table()
     assert all(col.shape == (0,) for col in table.values())
     assert table["cell:x"].dtype == np.int64 and table["best_return"].dtype == np.float64
+
+
+# -- through a real server ---------------------------------------------------------------------
+
+REMOTE = TrajectoryTrainingConfiguration(
+    cell_fields=(CellField("pos", (0,), name="x"), CellField("pos", (1,), name="y")),
+    utilities=(UtilityConfig("win_proximity", gamma=0.5),),
+)
+
+
+def _walk_chunk(xs: list[int], rewards: list[float], dones: list[int], codes: list[int]):
+    """One (T, 1) chunk of a scripted walk along x (y stays 0)."""
+    T = len(xs)
+    done = np.zeros((T, 1), bool)
+    done[dones, 0] = True
+    outcome = np.zeros((T, 1), np.int8)
+    outcome[dones, 0] = codes
+    pos = np.zeros((T, 1, 2), np.int32)
+    pos[:, 0, 0] = xs
+    trajectories = {
+        "action": np.zeros((T, 1), np.int32),
+        "reward": np.asarray(rewards, np.float32).reshape(T, 1),
+        "done": done,
+    }
+    return trajectories, {"pos": pos}, outcome
+
+
+def test_remote_archive_equals_a_hand_computation_and_sample_start_names_its_cell(target):
+    from recorder_client import (
+        ArchiveColumns,
+        InvalidQueryError,
+        RolloutRecorder,
+        StoreNotConfiguredError,
+    )
+
+    with RolloutRecorder(
+        target=target, session="walk", record_states=True, state_fields=["pos"], capture=REMOTE
+    ) as rec:
+        assert rec.capture.enabled
+        # Chunk 1 (env steps 0..3): episode 0, WIN: x 0 1 1 2, cumulative reward 1 1 3 3.
+        t, s, o = _walk_chunk([0, 1, 1, 2], [1, 0, 2, 0], [3], [EpisodeOutcome.WIN])
+        rec.record(t, s, outcome=o)
+        # Chunk 2 (env steps 4..7): episode 1, LOSS: x 2 3, cumulative 5 5; episode 2, DRAW:
+        # x 3 0, cumulative 0 0.
+        t, s, o = _walk_chunk(
+            [2, 3, 3, 0], [5, 0, 0, 0], [1, 3], [EpisodeOutcome.LOSS, EpisodeOutcome.DRAW]
+        )
+        rec.record(t, s, outcome=o)
+        archive = rec.capture.archive()
+        assert isinstance(archive, ArchiveColumns) and len(archive) == 4
+        assert archive.key_names == ("x", "y")
+        np.testing.assert_array_equal(archive.cells["x"], [0, 1, 2, 3])
+        np.testing.assert_array_equal(archive.cells["y"], [0, 0, 0, 0])
+        np.testing.assert_array_equal(archive.visits, [2, 2, 2, 2])
+        # The step a cell is first seen at is the session's env steps before its chunk.
+        np.testing.assert_array_equal(archive.first_seen_step, [0, 0, 0, 4])
+        np.testing.assert_array_equal(archive.times_chosen, [0, 0, 0, 0])
+        # (2, 0): episode 1's step 0 (return 5) beats episode 0's step 3 (return 3).
+        np.testing.assert_array_equal(archive.best_trajectory_id, [0, 0, 1, 1])
+        np.testing.assert_array_equal(archive.best_step, [0, 2, 0, 1])
+        np.testing.assert_array_equal(archive.best_reference, [[0, 0], [0, 2], [1, 0], [1, 1]])
+        np.testing.assert_array_equal(archive.best_length, [1, 3, 1, 2])
+        np.testing.assert_allclose(archive.best_return, [1, 3, 5, 5])
+        np.testing.assert_allclose(archive.selection_probability, [0.25] * 4)
+        # gamma 0.5: episode 0 (WIN) adds 1/8, 1/4 + 1/2, 1 at x = 0, 1, 2; episode 1 (LOSS)
+        # adds -1/2 at x = 2 and -1 at x = 3; episode 2 (DRAW) adds nothing.
+        np.testing.assert_allclose(
+            archive.utilities["win_proximity"], [0.125 / 2, 0.75 / 2, 0.5 / 2, -1 / 2]
+        )
+        np.testing.assert_array_equal(archive.midpoint_starts, [0, 0, 0, 0])
+        assert archive.index((2, 0)) == 2 and archive.index((9, 9)) is None
+
+        ref, prefix = rec.capture.sample_start()
+        row = archive.index(ref.cell)
+        assert row is not None
+        assert archive.reference(row) == ref
+        assert tuple(int(v) for v in prefix.states["pos"][-1]) == ref.cell
+        after = rec.capture.archive()
+        np.testing.assert_array_equal(after.times_chosen, np.eye(4, dtype=np.int64)[row])
+
+        # Query misuse names the argument, as a ValueError made for queries.
+        with pytest.raises(InvalidQueryError, match="nope"):
+            rec.capture.snapshot_potential("nope", ["x"])
+        with pytest.raises(InvalidQueryError, match="field_names"):
+            rec.capture.snapshot_potential("win_proximity", ["z"])
+
+    with RolloutRecorder(target=target, session="nostore") as rec:
+        assert not rec.capture.enabled
+        with pytest.raises(StoreNotConfiguredError, match="nostore"):
+            rec.capture.archive()
+        # The seed's verbs keep the seed's no-store answers.
+        assert rec.capture.trajectory_store_checkpoint_file() is None
+        assert rec.capture.snapshot_potential("win_proximity", ["x"]) == {}

@@ -345,14 +345,16 @@ class SampleStartRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class SampleStartReply(_message.Message):
-    __slots__ = ("found", "reference", "prefix")
+    __slots__ = ("found", "reference", "prefix", "cell")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CELL_FIELD_NUMBER: _ClassVar[int]
     found: bool
     reference: SliceReference
     prefix: EpisodeArrays
-    def __init__(self, found: _Optional[bool] = ..., reference: _Optional[_Union[SliceReference, _Mapping]] = ..., prefix: _Optional[_Union[EpisodeArrays, _Mapping]] = ...) -> None: ...
+    cell: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, found: _Optional[bool] = ..., reference: _Optional[_Union[SliceReference, _Mapping]] = ..., prefix: _Optional[_Union[EpisodeArrays, _Mapping]] = ..., cell: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SnapshotPotentialRequest(_message.Message):
     __slots__ = ("session", "utility_key", "field_names")
@@ -475,3 +477,19 @@ class DropSessionRequest(_message.Message):
 class DropSessionReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ArchiveRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class ArchiveReply(_message.Message):
+    __slots__ = ("key_names", "utility_names", "columns")
+    KEY_NAMES_FIELD_NUMBER: _ClassVar[int]
+    UTILITY_NAMES_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    key_names: _containers.RepeatedScalarFieldContainer[str]
+    utility_names: _containers.RepeatedScalarFieldContainer[str]
+    columns: _containers.RepeatedCompositeFieldContainer[NamedArray]
+    def __init__(self, key_names: _Optional[_Iterable[str]] = ..., utility_names: _Optional[_Iterable[str]] = ..., columns: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...

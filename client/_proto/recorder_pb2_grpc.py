@@ -119,6 +119,11 @@ class RecorderStub:
                 request_serializer=recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.SerializeToString,
                 response_deserializer=recorder_dot_v1_dot_recorder__pb2.DropSessionReply.FromString,
                 _registered_method=True)
+        self.GetArchive = channel.unary_unary(
+                '/recorder.v1.Recorder/GetArchive',
+                request_serializer=recorder_dot_v1_dot_recorder__pb2.ArchiveRequest.SerializeToString,
+                response_deserializer=recorder_dot_v1_dot_recorder__pb2.ArchiveReply.FromString,
+                _registered_method=True)
 
 
 class RecorderServicer:
@@ -267,6 +272,15 @@ class RecorderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetArchive(self, request, context):
+        """The session's cell archive as columns, one row per cell in first-seen order,
+        after every chunk taken so far reached the store. FAILED_PRECONDITION (kind
+        "no_store") for a session without a trajectory store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecorderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +368,11 @@ def add_RecorderServicer_to_server(servicer, server):
                     servicer.DropSession,
                     request_deserializer=recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.FromString,
                     response_serializer=recorder_dot_v1_dot_recorder__pb2.DropSessionReply.SerializeToString,
+            ),
+            'GetArchive': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetArchive,
+                    request_deserializer=recorder_dot_v1_dot_recorder__pb2.ArchiveRequest.FromString,
+                    response_serializer=recorder_dot_v1_dot_recorder__pb2.ArchiveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -815,6 +834,33 @@ class Recorder:
             '/recorder.v1.Recorder/DropSession',
             recorder_dot_v1_dot_recorder__pb2.DropSessionRequest.SerializeToString,
             recorder_dot_v1_dot_recorder__pb2.DropSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetArchive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recorder.v1.Recorder/GetArchive',
+            recorder_dot_v1_dot_recorder__pb2.ArchiveRequest.SerializeToString,
+            recorder_dot_v1_dot_recorder__pb2.ArchiveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 # The status each kind of refusal ends an RPC with.
 _STATUS = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.INVALID_QUERY: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.INVALID_NAME: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.SESSION_MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
@@ -172,6 +173,18 @@ def status_to_proto(status: SessionStatus, config: SessionConfig) -> pb.StatusRe
 
 def episode_to_proto(episode: EpisodeArrays) -> pb.EpisodeArrays:
     return _messages.episode_to_proto(episode.actions, episode.rewards, episode.states)
+
+
+def archive_to_proto(table: dict[str, np.ndarray]) -> pb.ArchiveReply:
+    """`Session.archive` columns (in their order: key fields first, utilities last)."""
+    return pb.ArchiveReply(
+        key_names=[k[len("cell:") :] for k in table if k.startswith("cell:")],
+        utility_names=[k[len("utility:") :] for k in table if k.startswith("utility:")],
+        columns=[
+            pb.NamedArray(name=name, array=_messages.array_to_proto(np.ascontiguousarray(col)))
+            for name, col in table.items()
+        ],
+    )
 
 
 def finish_header(plan: Assembly, worker_ids: list[str]) -> pb.FinishPart:

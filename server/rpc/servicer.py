@@ -246,6 +246,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             found=True,
             reference=pb.SliceReference(trajectory_id=reference.trajectory_id, step=reference.step),
             prefix=convert.episode_to_proto(prefix),
+            cell=reference.cell or (),
         )
 
     async def SampleStart(self, request: pb.SampleStartRequest, context):
@@ -262,6 +263,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
 
     async def SnapshotPotential(self, request: pb.SnapshotPotentialRequest, context):
         return await self._run(context, self._potential, request)
+
+    def _archive(self, name: str) -> pb.ArchiveReply:
+        session = self.sessions.get(name)
+        session.require_store("archive")
+        return convert.archive_to_proto(session.archive() or {})
+
+    async def GetArchive(self, request: pb.ArchiveRequest, context) -> pb.ArchiveReply:
+        return await self._run(context, self._archive, request.session)
 
     def _store_file(self, request: pb.StoreCheckpointRequest) -> list[pb.FilePart]:
         session = self.sessions.get(request.session)

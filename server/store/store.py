@@ -359,13 +359,13 @@ class TrajectoryStore:
             tid = int(self._archive.view("best_trajectory")[i])
             step = int(self._archive.view("best_step")[i])
             blob = self._repository.blob(tid)
-            self._pending[(tid, step)] = tuple(self._archive.keys[i].tolist())
+            cell = self._pending[(tid, step)] = tuple(self._archive.keys[i].tolist())
             self._pending.move_to_end((tid, step))
             while len(self._pending) > _MAX_PENDING_STARTS:
                 self._pending.popitem(last=False)
         if blob is None:
             raise RuntimeError(f"trajectory store: cell {i} references missing trajectory {tid}")
-        return TrajectorySliceReference(tid, step), decode_episode(blob).prefix(step)
+        return TrajectorySliceReference(tid, step, cell), decode_episode(blob).prefix(step)
 
     # -- reading -------------------------------------------------------------------------------
 
