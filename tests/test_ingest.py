@@ -42,6 +42,9 @@ class _Metrics:
     def log_many(self, *args, **kwargs) -> None:
         pass
 
+    def observe_episodes(self, *args, **kwargs) -> None:
+        pass
+
 
 def _config(capacity: int) -> TrajectoryTrainingConfiguration:
     return TrajectoryTrainingConfiguration(

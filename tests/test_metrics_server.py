@@ -121,17 +121,17 @@ def test_tensorboard_event_files_hold_scalars_at_the_right_steps(tmp_path):
             done[i % T, 0] = True  # one episode per chunk
             rec.record({"action": np.zeros((T, N)), "reward": np.ones((T, N)), "done": done})
             captured += 1
-            expected[i * T * N] = captured  # step = env steps before the chunk
+            expected[(i + 1) * T * N] = captured  # step = env steps after the chunk
         rec.flush()
         rec.capture.sample_start()
     running.stop(grace=0)  # closes the writer, flushing the event files
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "tb"))  # one run directory per session
     acc.Reload()
-    tag = "Trajectories/episodes_captured/session=tb"
+    tag = "Trajectories/episodes_captured"
     assert tag in acc.Tags()["scalars"]
     got = {e.step: e.value for e in acc.Scalars(tag)}
     assert got == expected
-    lengths = {e.step for e in acc.Scalars("Episode/length_mean/session=tb")}
+    lengths = {e.step for e in acc.Scalars("Episode/length_mean")}
     assert lengths == set(expected)
 
 

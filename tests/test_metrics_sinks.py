@@ -93,15 +93,15 @@ def test_scrape_counters_gauges_and_scalars(tracker: MetricsTracker) -> None:
     assert samples[("rollout_recorder_chunks_total", (("session", "default"),))] == 3
     assert samples[("rollout_recorder_chunks_total", (("session", "other"),))] == 2
     assert samples[("rollout_recorder_sessions_open", ())] == 1
-    assert samples[("rollout_episode_return_mean", ())] == 2.5
-    assert samples[("rollout_episode_length_mean", ())] == 40
-    assert samples[("rollout_worker_steps", (("worker", "3"),))] == 7
+    assert samples[("rollout_recorder_episode_return_mean", ())] == 2.5
+    assert samples[("rollout_recorder_episode_length_mean", ())] == 40
+    assert samples[("rollout_recorder_worker_steps", (("worker", "3"),))] == 7
 
     types = family_types(host, port)
     assert types["rollout_recorder_raw_bytes"] == "counter"
     assert types["rollout_recorder_chunks"] == "counter"
     assert types["rollout_recorder_sessions_open"] == "gauge"
-    assert types["rollout_episode_return_mean"] == "gauge"
+    assert types["rollout_recorder_episode_return_mean"] == "gauge"
 
 
 def test_own_registry_not_global() -> None:
@@ -189,7 +189,9 @@ def test_tensorboard_and_jsonl_every_call(tmp_path: Path) -> None:
     scalars = read_tensorboard(tmp_path / "tb")
     assert scalars["Episode/return_mean"] == [(1, 1.0), (2, 2.0), (5, -3.5)]
     assert scalars["Episode/length_mean"] == [(1, 10.0)]  # unchanged later: not rewritten
-    assert scalars["Recorder/chunks/session=default"] == [(2, 4.0)]  # rides along at step 2
+    assert "Recorder/chunks" not in scalars  # a session's series go to its own run
+    by_session = read_tensorboard(tmp_path / "tb" / "default")
+    assert by_session == {"Recorder/chunks": [(2, 4.0)]}  # rides along at step 2, same tag
 
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     assert all(set(line) == {"step", "time", "tag", "value"} for line in lines)
@@ -221,7 +223,7 @@ def test_time_gate_suppresses_writes_but_prometheus_sees_latest(tmp_path: Path) 
 
         assert [(x["step"], x["value"]) for x in read_jsonl(jsonl)] == [(1, 1.0)]
         samples = scrape(host, port)
-        assert samples[("rollout_episode_return_mean", ())] == 3.0
+        assert samples[("rollout_recorder_episode_return_mean", ())] == 3.0
         assert samples[("rollout_recorder_chunks_total", ())] == 7
         assert t.snapshot() == {"Episode/return_mean": 3.0, "Recorder/chunks": 7.0}
 
@@ -303,7 +305,7 @@ def test_invalid_uses_raise(tracker: MetricsTracker) -> None:
     with pytest.raises(ValueError, match="labels"):
         tracker.inc("Recorder/chunks", 1, worker="a")
     with pytest.raises(ValueError, match="same Prometheus name"):
-        tracker.set("Recorder.chunks_total", 1)
+        tracker.set("Recorder/chunks_total", 1)
     with pytest.raises(ValueError, match="label name"):
         tracker.inc("Recorder/other", 1, __bad="x")
     with pytest.raises(TypeError):
@@ -317,8 +319,11 @@ def test_invalid_uses_raise(tracker: MetricsTracker) -> None:
 def test_naming() -> None:
     assert prometheus_name("Recorder/raw_bytes", counter=True) == "rollout_recorder_raw_bytes_total"
     assert prometheus_name("Recorder/rawBytes", counter=True) == "rollout_recorder_raw_bytes_total"
-    assert prometheus_name("Episode/return_mean", counter=False) == "rollout_episode_return_mean"
-    assert prometheus_name("A/done_total", counter=True) == "rollout_a_done_total"
+    assert (
+        prometheus_name("Episode/return_mean", counter=False)
+        == "rollout_recorder_episode_return_mean"
+    )
+    assert prometheus_name("A/done_total", counter=True) == "rollout_recorder_a_done_total"
     assert prometheus_name("Trajectories/episodes captured", counter=True, namespace="") == (
         "trajectories_episodes_captured_total"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -64,6 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             jsonl_path=args.metrics_jsonl,
             tensorboard_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
             jsonl_gate=WriteGate(args.metrics_interval, args.metrics_every_steps),
+            **_buckets(args),
         ),
         metrics_listen=args.metrics_listen,
         metrics_enabled=not args.no_metrics,
@@ -105,6 +107,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.shutdown()
         os._exit(1)
     return 0
+
+
+def _bounds(text: str) -> tuple[float, ...]:
+    """Histogram bucket bounds from ``1,10,100``: finite and strictly increasing."""
+    try:
+        bounds = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, got {text!r}"
+        ) from None
+    if any(not math.isfinite(b) for b in bounds) or any(
+        b <= a for a, b in zip(bounds, bounds[1:], strict=False)
+    ):
+        raise argparse.ArgumentTypeError(f"expected finite, increasing bounds, got {text!r}")
+    return bounds
+
+
+def _buckets(args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
+    out = {}
+    if args.metrics_return_buckets:
+        out["return_buckets"] = args.metrics_return_buckets
+    if args.metrics_length_buckets:
+        out["length_buckets"] = args.metrics_length_buckets
+    return out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,6 +244,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="env steps between TensorBoard/JSONL writes (default: no step gate)",
+    )
+    metrics.add_argument(
+        "--metrics-return-buckets",
+        metavar="B1,B2,...",
+        type=_bounds,
+        help="upper bounds of the episode-return histogram's buckets (default "
+        + ",".join(f"{b:g}" for b in MetricsConfig.return_buckets)
+        + ")",
+    )
+    metrics.add_argument(
+        "--metrics-length-buckets",
+        metavar="B1,B2,...",
+        type=_bounds,
+        help="upper bounds of the episode-length histogram's buckets (default "
+        + ",".join(f"{b:g}" for b in MetricsConfig.length_buckets)
+        + ")",
     )
     serve.add_argument(
         "--token-file",

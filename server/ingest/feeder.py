@@ -86,6 +86,8 @@ class _Closed:
     item: ChunkEpisodes
     finished: Finished
     part: Part | None
+    step_after: int
+    """The session's env steps after this chunk: the step its episodes' metrics carry."""
 
 
 class EpisodeFeeder:
@@ -249,22 +251,14 @@ class EpisodeFeeder:
         recorded = self._record([c for c in closed if c.item.env.size])
         labels = {"session": self.session}
         for c in recorded:
+            # Every episode reaches the histograms and the sinks' summaries, stamped with the
+            # env steps after the chunk that finished it.
             lengths, returns = c.finished.lengths, c.finished.returns
             self.metrics.inc("Recorder/episodes_finished", float(lengths.size), **labels)
-            self.metrics.log_many(
-                {
-                    "Episode/return_mean": float(returns.mean()),
-                    "Episode/return_max": float(returns.max()),
-                    "Episode/return_min": float(returns.min()),
-                    "Episode/length_mean": float(lengths.mean()),
-                    "Episode/length_max": float(lengths.max()),
-                },
-                c.item.env_steps_before,
-                **labels,
-            )
+            self.metrics.observe_episodes(returns, lengths, c.step_after, **labels)
         if recorded:
             # The store's gauges once per call, at its last chunk's step.
-            self.processor.log_metrics(recorded[-1].item.env_steps_before)
+            self.processor.log_metrics(recorded[-1].step_after)
         # After recording: the episodes just recorded may read the chunks this drops.
         if self.store is not None:
             for index in {item.worker for item in items}:
@@ -318,7 +312,8 @@ class EpisodeFeeder:
             arrays.pop("done", None)  # not taken from the pool
             arrays.pop("outcome", None)
             self.buffers.give_all(arrays)
-        return _Closed(item, finished, part)
+        step_after = item.env_steps_before + item.chunk.length * num_envs
+        return _Closed(item, finished, part, step_after)
 
     def _record(self, closed: list[_Closed]) -> list[_Closed]:
         """Record the chunks' episodes; returns the chunks whose episodes were recorded."""

@@ -7,7 +7,8 @@ The tracker owns the values; the sinks here only render them.
   and a scrape always shows the latest value. `PrometheusEndpoint` serves that registry over
   HTTP (prometheus_client's WSGI app in a threaded wsgiref server) and can be stopped.
 - `TensorBoardSink` and `JsonlSink` receive gated batches of rows
-  `(folded_tag, value, step)` from the tracker.
+  `(folded_tag, value, step, tag, labels)` from the tracker. TensorBoard writes one run
+  directory per session; JSON lines carry the folded tag.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from ..extras import require
 
 logger = logging.getLogger(__name__)
 
-Row = tuple[str, float, int]
-"""One pushed value: (folded tag, value, step)."""
+Row = tuple[str, float, int, str, tuple[tuple[str, str], ...]]
+"""One pushed value: (folded tag, value, step, tag, labels as sorted (name, value) pairs)."""
 
-PromRow = tuple[str, str, str, tuple[str, ...], tuple[str, ...], float]
-"""One Prometheus sample: (kind, exported family name, help, label names, label values, value)."""
+PromRow = tuple[str, str, str, tuple[str, ...], tuple[str, ...], object]
+"""One Prometheus sample: (kind, exported family name, help, label names, label values, value);
+for a histogram the value is ``([(upper bound, cumulative count), ...], sum)``, +Inf last."""
 
 
 class PushSink(Protocol):
@@ -56,19 +58,32 @@ class PrometheusCollector:
         self._rows = rows
 
     def collect(self) -> Iterable[object]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
-        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        classes = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
+        families: dict[str, object] = {}
         for kind, name, help_text, label_names, label_values, value in self._rows():
             family = families.get(name)
             if family is None:
-                if kind == "counter":
-                    family = CounterMetricFamily(name, help_text, labels=label_names)
-                else:
-                    family = GaugeMetricFamily(name, help_text, labels=label_names)
-                families[name] = family
-            family.add_metric(label_values, value)
+                cls = classes.get(kind, GaugeMetricFamily)
+                family = families[name] = cls(name, help_text, labels=label_names)
+            if kind == "histogram":
+                buckets, total = value  # type: ignore[misc]
+                family.add_metric(  # type: ignore[attr-defined]
+                    label_values, [(_le(b), c) for b, c in buckets], total
+                )
+            else:
+                family.add_metric(label_values, value)  # type: ignore[attr-defined]
         return list(families.values())
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Prometheus writes it (``+Inf``, ``10.0``)."""
+    return "+Inf" if bound == math.inf else repr(float(bound))
 
 
 class _SilentHandler(WSGIRequestHandler):
@@ -123,35 +138,69 @@ class PrometheusEndpoint:
 
 
 class TensorBoardSink:
-    """TensorBoard event files written with tensorboardX's `FileWriter` (asynchronous writer).
+    """TensorBoard event files written with tensorboardX's synchronous `EventsWriter`: each
+    gated batch is on disk when `write` returns, as JSON lines are (tensorboardX's
+    `FileWriter` queues events for a thread, so its flush may leave the last ones unwritten).
 
-    Tags are written as given (no tensorboardX tag cleaning), so folded label tags such as
-    ``Recorder/chunks/session=default`` keep their ``=``.
+    One run directory per session: a row labelled ``session=NAME`` goes to ``<logdir>/NAME/``
+    under its tag with the other labels folded in (``Recorder/chunks``,
+    ``Recorder/ack_latency_seconds/worker=w0``), so runs overlay tag by tag; rows without a
+    session go to ``<logdir>`` itself. Session names are path-safe by the naming rule. Tags are
+    written as given (no tensorboardX tag cleaning).
     """
 
-    def __init__(self, logdir: str | os.PathLike[str], flush_secs: float) -> None:
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
         require("tensorboardX", "--tensorboard-dir (TensorBoard event files)")
-        from tensorboardX import FileWriter
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.proto.summary_pb2 import Summary
 
-        Path(logdir).mkdir(parents=True, exist_ok=True)
+        self._root = Path(logdir)
+        self._root.mkdir(parents=True, exist_ok=True)
         self._summary = Summary
-        self._writer = FileWriter(str(logdir), max_queue=1024, flush_secs=flush_secs)
+        self._event = Event
+        self._events_writer = EventsWriter
+        self._writers: dict[str, object] = {}
+
+    def _writer(self, session: str) -> object:
+        writer = self._writers.get(session)
+        if writer is None:
+            logdir = self._root / session if session else self._root
+            logdir.mkdir(parents=True, exist_ok=True)
+            writer = self._writers[session] = self._events_writer(str(logdir / "events"))
+        return writer
 
     def write(self, rows: Sequence[Row], walltime: float) -> None:
         summary_cls = self._summary
         value_cls = summary_cls.Value
-        by_step: dict[int, list[object]] = {}
-        for tag, value, step in rows:
+        by_run: dict[str, dict[int, list[object]]] = {}
+        for _, value, step, tag, labels in rows:
+            session = ""
+            rest = labels
+            for i, (name, label) in enumerate(labels):
+                if name == "session":
+                    session, rest = label, labels[:i] + labels[i + 1 :]
+                    break
+            if rest:
+                tag = "/".join([tag, *(f"{k}={v}" for k, v in rest)])
+            by_step = by_run.setdefault(session, {})
             by_step.setdefault(step, []).append(value_cls(tag=tag, simple_value=value))
-        for step, values in by_step.items():
-            self._writer.add_summary(summary_cls(value=values), global_step=step, walltime=walltime)
+        for session, by_step in by_run.items():
+            writer = self._writer(session)
+            for step in sorted(by_step):  # in step order: readers drop steps that go back
+                event = self._event(
+                    wall_time=walltime, step=step, summary=summary_cls(value=by_step[step])
+                )
+                writer.write_event(event)  # type: ignore[attr-defined]
+            writer.flush()  # type: ignore[attr-defined]
 
     def flush(self) -> None:
-        self._writer.flush()
+        for writer in self._writers.values():
+            writer.flush()  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        self._writer.close()
+        for writer in self._writers.values():
+            writer.close()  # type: ignore[attr-defined]
 
 
 class JsonlSink:
@@ -181,7 +230,7 @@ class JsonlSink:
                 separators=(",", ":"),
             )
             + "\n"
-            for tag, value, step in rows
+            for tag, value, step, _, _ in rows
         )
         self._file.flush()
 
