@@ -176,7 +176,8 @@ def test_status_once_and_json_against_a_live_server(server_process):
         )
         data = json.loads(js.stdout)
         assert data["sessions"][0]["session"] == "live"
-        assert int(data["sessions"][0]["chunksStored"]) == 3
+        assert data["sessions"][0]["chunks_stored"] == 3  # snake_case, a number
+        assert data["sessions"][0]["chunks_dropped"] == 0  # zeros are kept
 
 
 def test_status_reports_an_unreachable_server():

@@ -337,3 +337,80 @@ def test_bad_value_does_not_poison_the_series(tracker: MetricsTracker) -> None:
         tracker.log("Episode/return_mean", "not a number", step=1)  # type: ignore[arg-type]
     tracker.log("Episode/return_mean", 2.0, step=2)
     assert tracker.snapshot() == {"Episode/return_mean": 2.0}
+
+
+# ------------------------------------------------------------------ episodes and catalogue
+
+
+def test_each_write_summarises_every_episode_since_the_previous_one(tmp_path: Path) -> None:
+    clock = FakeClock()
+    jsonl = tmp_path / "m.jsonl"
+    config = MetricsConfig(jsonl_path=jsonl, jsonl_gate=WriteGate(min_interval_s=10.0))
+    t = MetricsTracker(config, clock=clock)
+    try:
+        t.observe_episodes([1.0, 3.0], [10, 20], step=8, session="s")  # first call writes
+        clock.now += 1
+        t.observe_episodes([7.0], [5], step=16, session="s")  # gated
+        clock.now += 1
+        t.observe_episodes([-2.0, 0.0], [30, 1], step=24, session="s")  # gated
+        t.flush_idle()  # 2 s since the last write and since the last value: not yet
+        assert len([x for x in read_jsonl(jsonl) if x["tag"].startswith("Episode/count")]) == 1
+        clock.now += 2.5  # quiet for a quarter interval: the idle flush writes
+        t.flush_idle()
+        rows = [(x["step"], x["tag"].split("/session=")[0], x["value"]) for x in read_jsonl(jsonl)]
+        summaries = [r for r in rows if r[1].startswith("Episode/")]
+        assert summaries == [
+            (8, "Episode/count", 2),
+            (8, "Episode/return_mean", 2.0),
+            (8, "Episode/return_min", 1.0),
+            (8, "Episode/return_max", 3.0),
+            (8, "Episode/length_mean", 15.0),
+            (8, "Episode/length_min", 10.0),
+            (8, "Episode/length_max", 20.0),
+            # the two gated calls together, at the later one's step
+            (24, "Episode/count", 3),
+            (24, "Episode/return_mean", 5.0 / 3),
+            (24, "Episode/return_min", -2.0),
+            (24, "Episode/return_max", 7.0),
+            (24, "Episode/length_mean", 12.0),
+            (24, "Episode/length_min", 1.0),
+            (24, "Episode/length_max", 30.0),
+        ]
+        t.flush_idle()  # nothing new: nothing written
+        assert len(read_jsonl(jsonl)) == len(rows)
+        host, port = t.start_http("127.0.0.1", 0)
+        samples = scrape(host, port)
+        label = (("session", "s"),)
+        assert samples[("rollout_recorder_episode_return_count", label)] == 5
+        assert samples[("rollout_recorder_episode_return_sum", label)] == 9.0
+        assert samples[("rollout_recorder_episode_return_bucket", (("le", "0.0"), *label))] == 2
+        assert samples[("rollout_recorder_episode_length_bucket", (("le", "10.0"), *label))] == 3
+        assert family_types(host, port)["rollout_recorder_episode_length"] == "histogram"
+        assert t.snapshot()["Episode/count/session=s"] == 5
+        assert t.forget(session="s") == 1
+        assert "rollout_recorder_episode_return_count" not in {n for n, _ in scrape(host, port)}
+    finally:
+        t.close()
+
+
+def test_catalogue_counters_are_counters_with_help_text(tracker: MetricsTracker) -> None:
+    host, port = tracker.start_http("127.0.0.1", 0)
+    tracker.log_many(
+        {"Trajectories/episodes_captured": 3, "Trajectories/archive_cells": 7}, 1, session="a"
+    )
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+        families = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+    assert families["rollout_recorder_trajectories_episodes_captured"].type == "counter"
+    assert families["rollout_recorder_trajectories_archive_cells"].type == "gauge"
+    assert families["rollout_recorder_trajectories_archive_cells"].documentation == (
+        "Cells in the archive."
+    )
+
+
+def test_docs_table_is_the_catalogue() -> None:
+    from recorder_server.metrics.catalog import markdown
+
+    docs = Path(__file__).parent.parent / "docs" / "metrics.md"
+    assert docs.read_text() == markdown(), (
+        "regenerate: python -m recorder_server.metrics.catalog > docs/metrics.md"
+    )

@@ -211,3 +211,42 @@ def test_remote_archive_equals_a_hand_computation_and_sample_start_names_its_cel
         # The seed's verbs keep the seed's no-store answers.
         assert rec.capture.trajectory_store_checkpoint_file() is None
         assert rec.capture.snapshot_potential("win_proximity", ["x"]) == {}
+
+
+def test_status_shows_workers_and_a_heatmap_of_the_archive(target):
+    import json
+    import subprocess
+    import sys
+
+    from recorder_client import RolloutRecorder
+
+    with RolloutRecorder(
+        target=target,
+        session="walk",
+        worker_id="w-walk",
+        record_states=True,
+        state_fields=["pos"],
+        capture=REMOTE,
+    ) as rec:
+        t, s, o = _walk_chunk([0, 1, 1, 2], [1, 0, 2, 0], [3], [EpisodeOutcome.WIN])
+        rec.record(t, s, outcome=o)
+        t, s, o = _walk_chunk([2, 3, 3, 0], [5, 0, 0, 0], [1, 3], [EpisodeOutcome.LOSS, 3])
+        rec.record(t, s, outcome=o)
+        rec.capture.archive()  # every chunk reached the store
+        cli = [sys.executable, "-m", "recorder_server", "status", "--target", target]
+        out = subprocess.run([*cli, "--once"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        print(out.stdout)
+        lines = out.stdout.splitlines()
+        assert any("w-walk" in line and " True" in line for line in lines)
+        assert any(line.lstrip().startswith("archive: 4 cells over x") for line in lines)
+        # Cells (0..3, 0), two visits each: one row of four equal shades.
+        rows = [line.strip() for line in lines if line.strip().startswith("|")]
+        assert len(rows) == 1 and len(rows[0]) == 6 and len(set(rows[0][1:-1])) == 1
+        assert " " not in rows[0]
+        js = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+        data = json.loads(js.stdout)
+        session = next(s for s in data["sessions"] if s["session"] == "walk")
+        assert session["store"] is True and session["archive_cells"] == 4
+        assert session["chunks_stored"] == 2 and session["chunks_dropped"] == 0
+        assert session["workers"][0]["sequences_lost"] == 0

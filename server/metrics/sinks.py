@@ -63,6 +63,7 @@ class PrometheusCollector:
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
+        from prometheus_client.samples import Sample
 
         classes = {"counter": CounterMetricFamily, "histogram": HistogramMetricFamily}
         families: dict[str, object] = {}
@@ -76,6 +77,13 @@ class PrometheusCollector:
                 family.add_metric(  # type: ignore[attr-defined]
                     label_values, [(_le(b), c) for b, c in buckets], total
                 )
+                if buckets[0][0] < 0:
+                    # prometheus_client leaves _count and _sum out when a bucket bound is
+                    # negative (OpenMetrics); returns are negative often enough, and
+                    # rate(_sum) / rate(_count) is how a mean return is read: kept.
+                    labels = dict(zip(label_names, label_values, strict=True))
+                    family.samples.append(Sample(f"{name}_count", labels, buckets[-1][1]))  # type: ignore[attr-defined]
+                    family.samples.append(Sample(f"{name}_sum", labels, total))  # type: ignore[attr-defined]
             else:
                 family.add_metric(label_values, value)  # type: ignore[attr-defined]
         return list(families.values())
