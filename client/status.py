@@ -33,6 +33,8 @@ class WorkerStatus:
     against the worker limit, and its stored chunks stay."""
     idle_seconds: float = field(default=0.0, compare=False)
     """Seconds since it last joined or sent a chunk (a clock reading: not compared)."""
+    joined_unix: float = field(default=0.0, compare=False)
+    """When it first joined, in seconds since the Unix epoch (the server's clock)."""
 
 
 @dataclass(frozen=True)

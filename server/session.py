@@ -118,6 +118,7 @@ class Session:
         self.last_sequence: dict[str, int] = {}
         self._worker_locks: dict[str, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
+        self.joined_at: dict[str, float] = {}  # wall clock of each worker's first join
         # Workers that count against max_workers: joined, and neither left nor expired.
         self.active: set[str] = set()
         # Last sequence of workers forgotten (left or expired without stored chunks).
@@ -214,6 +215,7 @@ class Session:
         self.workers[worker_id] = timeline
         self.last_sequence[worker_id] = last_sequence
         self._worker_locks[worker_id] = threading.Lock()
+        self.joined_at.setdefault(worker_id, time.time())
         self.next_index = max(self.next_index, index + 1)
         return timeline
 
@@ -241,6 +243,7 @@ class Session:
             self.forgotten.popitem(last=False)
         self._worker_locks.pop(worker_id, None)
         self.last_seen.pop(worker_id, None)
+        self.joined_at.pop(worker_id, None)
         self.metrics.forget(session=self.name, worker=worker_id)
 
     def idle_workers(self, now: float, ttl: float) -> list[str]:
@@ -417,6 +420,7 @@ class Session:
                     sequences_lost=self.sequences_lost.get(tl.worker_id, 0),
                     active=tl.worker_id in self.active,
                     idle_seconds=max(0.0, now - self.last_seen.get(tl.worker_id, now)),
+                    joined_unix=self.joined_at.get(tl.worker_id, 0.0),
                 )
                 for tl in self.workers.values()
             )

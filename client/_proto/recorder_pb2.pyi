@@ -213,7 +213,7 @@ class StatusRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes", "sequences_lost", "active", "idle_seconds")
+    __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes", "sequences_lost", "active", "idle_seconds", "joined_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,7 @@ class WorkerStatus(_message.Message):
     SEQUENCES_LOST_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_index: int
     num_envs: int
@@ -240,7 +241,8 @@ class WorkerStatus(_message.Message):
     sequences_lost: int
     active: bool
     idle_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sequences_lost: _Optional[int] = ..., active: _Optional[bool] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    joined_unix: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sequences_lost: _Optional[int] = ..., active: _Optional[bool] = ..., idle_seconds: _Optional[float] = ..., joined_unix: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers", "sequences_lost", "idle_seconds")

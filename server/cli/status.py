@@ -146,7 +146,8 @@ def render(
         if s.workers:
             lines.append(
                 f"  {'#':>3} {'worker':<28} {'chunks':>7} {'dropped':>7} {'lost':>5} "
-                f"{'steps':>9} {'episodes':>8} {'lag':>7} {'ack':>9} {'active':>6}"
+                f"{'steps':>9} {'episodes':>8} {'lag':>7} {'ack':>9} {'active':>6} "
+                f"{'joined':>8}"
             )
         for w in s.workers:
             lag = lags.get(w.worker_id, w.idle_seconds)
@@ -155,11 +156,17 @@ def render(
                 f"  {w.worker_index:>3} {w.worker_id[:28]:<28} {w.chunks_stored:>7} "
                 f"{w.chunks_dropped:>7} {w.sequences_lost:>5} {w.steps:>9} "
                 f"{w.episodes_finished:>8} {f'{lag:.1f}s':>7} "
-                f"{'-' if ack is None else f'{ack * 1e3:.1f}ms':>9} {str(w.active):>6}"
+                f"{'-' if ack is None else f'{ack * 1e3:.1f}ms':>9} {str(w.active):>6} "
+                f"{_clock(w.joined_unix):>8}"
             )
         if archives and s.session in archives:
             lines += heatmap(archives[s.session])
     return "\n".join(lines)
+
+
+def _clock(unix: float) -> str:
+    """A wall-clock time of day (local), or '-' when unknown."""
+    return time.strftime("%H:%M:%S", time.localtime(unix)) if unix else "-"
 
 
 def status_main(args: argparse.Namespace) -> int:

@@ -123,6 +123,7 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
             "raw_bytes": tl.raw_bytes,
             "wire_bytes": tl.wire_bytes,
             "chunks_dropped": tl.chunks_dropped,
+            "joined_unix": session.joined_at.get(worker_id, 0.0),
             "chunks": chunks,
             "table": [blobs.array(env), blobs.array(start), blobs.array(end)],
         }
@@ -418,6 +419,10 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         tl = session.add_worker(
             worker_id, entry["index"], _count(entry["last_sequence"], "last_sequence")
         )
+        joined = entry.get("joined_unix", 0.0)
+        if isinstance(joined, bool) or not isinstance(joined, (int, float)):
+            raise SnapshotError(f"state.workers.joined_unix: expected seconds, got {joined!r}")
+        session.joined_at[worker_id] = float(joined)
         n = entry["num_envs"]
         n = None if n is None else _count(n, "num_envs")
         saved = _list(entry["chunks"], f"{what}.chunks")
