@@ -16,6 +16,7 @@ import grpc
 
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
+from .dashboard import Dashboard
 from .durability import Durability, DurabilityOptions, RecoveryReport
 from .lifecycle import Lifecycle
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
@@ -60,6 +61,9 @@ class ServerOptions:
     """False: keep no metrics at all (the baseline the metrics cost is measured against)."""
     metrics_listen: str | None = None
     """HOST:PORT for the Prometheus endpoint, or None for no endpoint."""
+    http_listen: str | None = None
+    """HOST:PORT (port 0 picks a free one) for the dashboard, its JSON API and /metrics; None:
+    no dashboard. With token_file, the dashboard requires the token too."""
     token_file: str | None = None
     """File holding the token every call must carry; None: no token required."""
     tls_cert: str | None = None
@@ -85,6 +89,8 @@ class RunningServer:
         pools: tuple[Offload, Offload],
         *,
         metrics_address: str | None = None,
+        http_address: str | None = None,
+        dashboard: Dashboard | None = None,
         health: Health | None = None,
         durability: Durability | None = None,
         recovery: RecoveryReport | None = None,
@@ -97,6 +103,9 @@ class RunningServer:
         self.metrics = metrics
         self.address = address
         self.metrics_address = metrics_address
+        self.http_address = http_address
+        """HOST:PORT the dashboard listens on (None without one)."""
+        self._dashboard = dashboard
         self.health = health
         self.durability = durability
         self.recovery = recovery
@@ -116,6 +125,8 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        if self._dashboard is not None:
+            self._dashboard.close()
         try:
             asyncio.run_coroutine_threadsafe(self._stop_serving(grace), self._loop).result()
         finally:
@@ -166,6 +177,8 @@ def start_server(options: ServerOptions) -> RunningServer:
     metrics = MetricsTracker(options.metrics) if options.metrics_enabled else NullMetrics()
     metrics_address = None
     durability = None
+    dashboard = None
+    http_address = None
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="recorder-rpc", daemon=True)
     try:
@@ -179,6 +192,11 @@ def start_server(options: ServerOptions) -> RunningServer:
             options.limits, metrics, None if durability is None else durability.journal
         )
         lifecycle = Lifecycle(sessions, durability)
+        if options.http_listen:  # before gRPC: a port taken fails the start with nothing running
+            host, _, port = options.http_listen.rpartition(":")
+            dashboard = Dashboard(sessions, metrics, token)
+            bound_host, bound_port = dashboard.start(host.strip("[]") or "127.0.0.1", int(port))
+            http_address = f"{bound_host}:{bound_port}"
         threads = options.threads or default_threads()
         pools = (
             Offload(threads, options.queue or threads, "recorder-ingest"),
@@ -190,6 +208,8 @@ def start_server(options: ServerOptions) -> RunningServer:
         )
         server, address, health, recovery = started.result()
     except BaseException:
+        if dashboard is not None:
+            dashboard.close()
         if durability is not None:
             durability.close()
         metrics.close()
@@ -208,6 +228,8 @@ def start_server(options: ServerOptions) -> RunningServer:
         address,
         pools,
         metrics_address=metrics_address,
+        http_address=http_address,
+        dashboard=dashboard,
         health=health,
         durability=durability,
         recovery=recovery,

@@ -68,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             **_buckets(args),
         ),
         metrics_listen=args.metrics_listen,
+        http_listen=args.http_listen,
         metrics_enabled=not args.no_metrics,
         durability=DurabilityOptions(
             enabled=not args.no_wal,
@@ -89,6 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
     if running.metrics_address:
         logger.warning("metrics at http://%s/metrics", running.metrics_address)
+    if running.http_address:
+        print(f"rollout-recorder dashboard at http://{running.http_address}/", flush=True)
     print(f"rollout-recorder listening on {running.address}", flush=True)
     while not stop.wait(0.5):
         pass
@@ -228,6 +231,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     metrics = serve.add_argument_group("metrics")
     metrics.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus endpoint")
+    metrics.add_argument(
+        "--http-listen",
+        metavar="HOST:PORT",
+        help="the live dashboard, its JSON API (/api/sessions) and /metrics on one listener "
+        "(port 0 picks one); with --token-file it requires the token",
+    )
     metrics.add_argument(
         "--no-metrics", action="store_true", help="keep no metrics (to measure what they cost)"
     )

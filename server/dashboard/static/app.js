@@ -1,0 +1,412 @@
+// Rollout Recorder dashboard: polls the JSON API once a second and draws with canvas.
+// No libraries. What the page shows is also in window.rrDashboard (tests read it there).
+"use strict";
+
+(function () {
+  const POLL_MS = 1000;
+  const ARCHIVE_MS = 2000;
+  const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c"];
+  // Aggregation of a heatmap bin's cells per colour column (several cells share a bin when
+  // the archive has more than two cell fields).
+  const AGG = {
+    visits: "sum", times_chosen: "sum", midpoint_starts: "sum", selection_probability: "sum",
+    best_return: "max", best_length: "max", first_seen_step: "min",
+  };
+
+  const state = {
+    selected: null,      // session name
+    sessions: [],        // /api/sessions rows
+    detail: null,        // /api/sessions/NAME
+    archive: null,       // /api/sessions/NAME/archive
+    archiveAt: 0,
+    heatmap: null,       // what the heatmap drew: {x, y, colour, bins: [{x, y, value, ...}]}
+    polls: 0,
+  };
+  window.rrDashboard = state;
+
+  const $ = (id) => document.getElementById(id);
+
+  // ------------------------------------------------------------------ formatting
+  function fmt(v, digits) {
+    if (v === null || v === undefined || Number.isNaN(v)) return "–";
+    if (digits === undefined) {
+      const a = Math.abs(v);
+      digits = a >= 100 || Number.isInteger(v) ? 0 : a >= 10 ? 1 : a >= 1 ? 2 : 3;
+    }
+    return v.toLocaleString("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits });
+  }
+  const mb = (bytes) => (bytes === null || bytes === undefined ? null : bytes / 1e6);
+  function fmtBytes(v) {
+    const a = Math.abs(v);
+    return a >= 1e9 ? `${fmt(v / 1e9, 2)} GB` : a >= 1e6 ? `${fmt(v / 1e6, 1)} MB` : a >= 1e3 ? `${fmt(v / 1e3, 1)} kB` : `${fmt(v, 0)} B`;
+  }
+  function ago(unix) {
+    if (!unix) return "–";
+    const s = Date.now() / 1000 - unix;
+    return s < 90 ? `${fmt(s, 0)} s ago` : s < 5400 ? `${fmt(s / 60, 0)} min ago` : `${fmt(s / 3600, 1)} h ago`;
+  }
+  function el(tag, text, attrs) {
+    const e = document.createElement(tag);
+    if (text !== undefined) e.textContent = text;
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    return e;
+  }
+
+  // ------------------------------------------------------------------ fetching
+  async function get(url) {
+    const r = await fetch(url, { credentials: "same-origin", cache: "no-store" });
+    if (r.status === 401) {
+      window.location.href = "login";
+      throw new Error("401");
+    }
+    if (!r.ok) return null;
+    return r.json();
+  }
+
+  async function poll() {
+    try {
+      const list = await get("api/sessions");
+      if (list) {
+        state.sessions = list.sessions;
+        $("logout").hidden = !list.token_required;
+        if (!state.selected || !list.sessions.some((s) => s.name === state.selected)) {
+          state.selected = list.sessions.length ? list.sessions[0].name : null;
+          state.archive = null;
+          state.heatmap = null;
+        }
+        renderSessions();
+        if (state.selected) {
+          const name = encodeURIComponent(state.selected);
+          state.detail = await get(`api/sessions/${name}`);
+          if (state.detail && state.detail.store_info) {
+            const now = Date.now();
+            if (now - state.archiveAt >= ARCHIVE_MS) {
+              state.archiveAt = now;
+              state.archive = await get(`api/sessions/${name}/archive`);
+            }
+          } else {
+            state.archive = null;
+          }
+        } else {
+          state.detail = null;
+        }
+        renderSession();
+        state.polls += 1;
+        $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+      }
+    } catch (err) {
+      $("updated").textContent = `not reachable (${err.message}); retrying`;
+    }
+    setTimeout(poll, POLL_MS);
+  }
+
+  // ------------------------------------------------------------------ sessions table
+  function renderSessions() {
+    const body = $("sessions").tBodies[0];
+    body.replaceChildren();
+    $("no-sessions").hidden = state.sessions.length > 0;
+    for (const s of state.sessions) {
+      const tr = el("tr", undefined, { "data-session": s.name });
+      if (s.name === state.selected) tr.className = "selected";
+      const cells = [
+        [s.name, "name"], [`${s.active_workers}/${s.workers}`, "workers"],
+        [fmt(s.steps), "steps"], [fmt(s.episodes), "episodes"], [fmt(s.chunks), "chunks"],
+        [fmt(s.chunks_dropped + s.sequences_lost), "dropped"], [fmt(mb(s.raw_bytes), 1), "raw_mb"],
+        [fmt(s.raw_mb_s), "raw_mb_s"], [fmt(s.steps_s, 0), "steps_s"],
+        [s.store ? "yes" : "no", "store"], [s.is_full ? "yes" : "no", "full"],
+      ];
+      for (const [text, field] of cells) tr.appendChild(el("td", text, { "data-field": field }));
+      tr.addEventListener("click", () => {
+        state.selected = s.name;
+        state.archive = null;
+        state.archiveAt = 0;
+        state.heatmap = null;
+      });
+      body.appendChild(tr);
+    }
+  }
+
+  // ------------------------------------------------------------------ one session
+  function renderSession() {
+    const d = state.detail;
+    $("session").hidden = !d;
+    if (!d) return;
+    $("session-name").textContent = d.name;
+    const counters = {
+      steps: d.steps, episodes: d.episodes, chunks: d.chunks, raw_mb: mb(d.raw_bytes),
+      raw_mb_s: d.raw_mb_s, steps_s: d.steps_s,
+      return_mean: d.episode_totals ? d.episode_totals.return_mean : null,
+    };
+    for (const [field, value] of Object.entries(counters)) {
+      const span = document.querySelector(`#counters [data-field="${field}"]`);
+      span.textContent = fmt(value, field === "raw_mb" ? 2 : undefined);
+      span.dataset.value = value === null || value === undefined ? "" : String(value);
+    }
+    const h = d.history;
+    lineChart($("chart-mb"), h.time, [
+      { label: "raw", values: h.raw_mb_s }, { label: "wire", values: h.wire_mb_s },
+    ]);
+    lineChart($("chart-steps"), h.time, [
+      { label: "steps (T)", values: h.steps_s }, { label: "env steps (T×N)", values: h.env_steps_s },
+    ]);
+    lineChart($("chart-return"), h.time, [{ label: "return", values: h.return_mean }]);
+    lineChart($("chart-length"), h.time, [{ label: "length", values: h.length_mean }]);
+    const hist = d.histograms || {};
+    barChart($("hist-return"), hist.return);
+    barChart($("hist-length"), hist.length);
+    renderWorkers(d.worker_table);
+    renderStore(d);
+  }
+
+  function renderWorkers(workers) {
+    const body = $("workers").tBodies[0];
+    body.replaceChildren();
+    for (const w of workers) {
+      const tr = el("tr", undefined, { "data-worker": w.worker_id });
+      const cells = [
+        w.index, w.worker_id, w.active ? "yes" : "left", ago(w.joined), `${fmt(w.lag_s, 1)} s`,
+        w.ack_latency_s === null ? "–" : `${fmt(w.ack_latency_s * 1e3, 1)} ms`,
+        fmt(w.chunks), fmt(w.chunks_dropped), fmt(w.sequences_lost), fmt(w.steps),
+        fmt(w.episodes), fmt(mb(w.raw_bytes), 1),
+      ];
+      for (const text of cells) tr.appendChild(el("td", String(text)));
+      body.appendChild(tr);
+    }
+  }
+
+  // ------------------------------------------------------------------ store
+  function setOptions(select, values, preferred) {
+    const have = Array.from(select.options).map((o) => o.value);
+    if (have.join("\n") !== values.join("\n")) {
+      const keep = select.value;
+      select.replaceChildren(...values.map((v) => el("option", v, { value: v })));
+      select.value = values.includes(keep) ? keep : preferred;
+    }
+  }
+
+  function renderStore(d) {
+    const info = d.store_info;
+    $("store").hidden = !info;
+    if (!info) return;
+    const fields = info.cell_fields;
+    setOptions($("field-x"), fields, fields[0]);
+    setOptions($("field-y"), fields, fields[Math.min(1, fields.length - 1)]);
+    const colours = ["visits", "best_return", "selection_probability", "times_chosen",
+      "midpoint_starts", ...info.utilities.map((u) => `utility:${u}`)];
+    setOptions($("colour"), colours, "visits");
+    const h = d.history;
+    lineChart($("chart-cells"), h.time, [{ label: "cells", values: h.cells }]);
+    lineChart($("chart-repo"), h.time, [
+      { label: "bytes", values: h.repository_bytes },
+      { label: "cap", values: h.repository_capacity_bytes, dash: [6, 4] },
+    ], { format: fmtBytes });
+    lineChart($("chart-midpoint"), h.time, [{ label: "midpoint starts", values: h.midpoint_starts }]);
+    drawHeatmap();
+  }
+
+  function aggregate(kind, acc, v, w) {
+    if (v === null || v === undefined) return acc;
+    if (acc === null) return kind === "mean" ? [v * w, w] : v;
+    if (kind === "sum") return acc + v;
+    if (kind === "max") return Math.max(acc, v);
+    if (kind === "min") return Math.min(acc, v);
+    return [acc[0] + v * w, acc[1] + w];
+  }
+
+  function binArchive(archive, fx, fy) {
+    const cols = archive.columns;
+    const xs = cols[`cell:${fx}`], ys = cols[`cell:${fy}`];
+    const names = Object.keys(cols).filter((k) => !k.startsWith("cell:") && k !== "best_trajectory_id" && k !== "best_step");
+    const bins = new Map();
+    for (let i = 0; i < archive.cells; i++) {
+      const key = `${xs[i]},${ys[i]}`;
+      let b = bins.get(key);
+      if (!b) {
+        b = { x: xs[i], y: ys[i], cells: 0 };
+        for (const n of names) b[n] = null;
+        bins.set(key, b);
+      }
+      b.cells += 1;
+      const w = Math.max(cols.visits[i], 1);
+      for (const n of names) b[n] = aggregate(n.startsWith("utility:") ? "mean" : AGG[n] || "sum", b[n], cols[n][i], w);
+    }
+    const out = Array.from(bins.values());
+    for (const b of out) {
+      for (const n of names) if (Array.isArray(b[n])) b[n] = b[n][1] ? b[n][0] / b[n][1] : null;
+    }
+    return out;
+  }
+
+  // Sequential colour scale (viridis-like stops).
+  const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  function colourOf(t) {
+    t = Math.min(1, Math.max(0, t)) * (STOPS.length - 1);
+    const i = Math.min(STOPS.length - 2, Math.floor(t)), f = t - i;
+    const c = STOPS[i].map((a, k) => Math.round(a + (STOPS[i + 1][k] - a) * f));
+    return `rgb(${c[0]},${c[1]},${c[2]})`;
+  }
+
+  function drawHeatmap() {
+    const canvas = $("heatmap");
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const a = state.archive;
+    if (!a || !a.cells) {
+      state.heatmap = { x: null, y: null, colour: null, bins: [] };
+      $("archive-count").textContent = a ? "(empty)" : "";
+      ctx.fillStyle = "#6b7280";
+      ctx.fillText(a ? "No cells yet." : "Loading…", 20, 24);
+      return;
+    }
+    const fx = $("field-x").value, fy = $("field-y").value, colour = $("colour").value;
+    const bins = binArchive(a, fx, fy);
+    let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity, v0 = Infinity, v1 = -Infinity;
+    for (const b of bins) {
+      x0 = Math.min(x0, b.x); x1 = Math.max(x1, b.x); y0 = Math.min(y0, b.y); y1 = Math.max(y1, b.y);
+      const v = b[colour];
+      if (v !== null && v !== undefined) { v0 = Math.min(v0, v); v1 = Math.max(v1, v); }
+    }
+    const pad = { l: 44, b: 30, t: 8, r: 8 };
+    const nx = x1 - x0 + 1, ny = y1 - y0 + 1;
+    const cw = (canvas.width - pad.l - pad.r) / nx, ch = (canvas.height - pad.t - pad.b) / ny;
+    const size = Math.max(Math.min(cw, ch), 0.5);
+    ctx.fillStyle = "#eef0f3";
+    ctx.fillRect(pad.l, pad.t, size * nx, size * ny);
+    for (const b of bins) {
+      const v = b[colour];
+      const t = v === null || v === undefined ? 0 : v1 > v0 ? (v - v0) / (v1 - v0) : 1;
+      ctx.fillStyle = v === null || v === undefined ? "#9ca3af" : colourOf(t);
+      // y grows upwards, as on a map.
+      ctx.fillRect(pad.l + (b.x - x0) * size, pad.t + (y1 - b.y) * size, Math.max(size - (size > 4 ? 1 : 0), 0.5), Math.max(size - (size > 4 ? 1 : 0), 0.5));
+    }
+    ctx.fillStyle = "#1d2330";
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textAlign = "center";
+    ctx.fillText(`${fx}: ${x0} … ${x1}`, pad.l + (size * nx) / 2, pad.t + size * ny + 18);
+    ctx.save();
+    ctx.translate(12, pad.t + (size * ny) / 2);
+    ctx.rotate(-Math.PI / 2);
+    ctx.fillText(`${fy}: ${y0} … ${y1}`, 0, 0);
+    ctx.restore();
+    $("archive-count").textContent = `(${fmt(a.cells)} cells, ${fmt(bins.length)} shown as ${fx} × ${fy})`;
+    $("scale").textContent = `${colour}: ${fmt(v0 === Infinity ? null : v0)} (dark) … ${fmt(v1 === -Infinity ? null : v1)} (bright)`;
+    state.heatmap = { x: fx, y: fy, colour, bins, x0, y0, x1, y1, size, pad };
+    canvas.dataset.cells = String(bins.length);
+  }
+
+  function heatmapBinAt(px, py) {
+    const h = state.heatmap;
+    if (!h || !h.bins.length) return null;
+    const x = h.x0 + Math.floor((px - h.pad.l) / h.size);
+    const y = h.y1 - Math.floor((py - h.pad.t) / h.size);
+    return h.bins.find((b) => b.x === x && b.y === y) || null;
+  }
+  state.binAt = (x, y) => (state.heatmap ? state.heatmap.bins.find((b) => b.x === x && b.y === y) || null : null);
+
+  function onHover(ev) {
+    const canvas = $("heatmap"), tip = $("tooltip");
+    const r = canvas.getBoundingClientRect();
+    const px = ((ev.clientX - r.left) * canvas.width) / r.width;
+    const py = ((ev.clientY - r.top) * canvas.height) / r.height;
+    const b = heatmapBinAt(px, py);
+    if (!b) { tip.hidden = true; return; }
+    const h = state.heatmap;
+    const lines = [`${h.x} = ${b.x}, ${h.y} = ${b.y}`, `cells: ${b.cells}`];
+    for (const [k, v] of Object.entries(b)) {
+      if (["x", "y", "cells"].includes(k)) continue;
+      lines.push(`${k}: ${fmt(v)}`);
+    }
+    tip.textContent = lines.join("\n");
+    tip.hidden = false;
+    tip.style.left = `${ev.clientX - r.left + 16}px`;
+    tip.style.top = `${ev.clientY - r.top + 8}px`;
+  }
+
+  // ------------------------------------------------------------------ charts
+  function prepare(canvas) {
+    const ratio = window.devicePixelRatio || 1;
+    const w = canvas.clientWidth || 400, h = canvas.clientHeight || 180;
+    if (canvas.width !== Math.round(w * ratio) || canvas.height !== Math.round(h * ratio)) {
+      canvas.width = Math.round(w * ratio);
+      canvas.height = Math.round(h * ratio);
+    }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, w, h);
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textAlign = "left";
+    ctx.setLineDash([]);
+    return { ctx, w, h };
+  }
+
+  function lineChart(canvas, times, series, opts) {
+    opts = opts || {};
+    const format = opts.format || ((v) => fmt(v));
+    const { ctx, w, h } = prepare(canvas);
+    const pad = { l: 64, r: 10, t: 18, b: 18 };
+    let lo = Infinity, hi = -Infinity;
+    for (const s of series) for (const v of s.values) if (v !== null && v !== undefined) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    ctx.fillStyle = "#6b7280";
+    if (!times.length || lo === Infinity) { ctx.fillText("no data yet", pad.l, h / 2); return; }
+    if (lo > 0) lo = 0; // rates and counts read from zero
+    if (hi === lo) hi = lo + 1;
+    const t0 = times[0], t1 = Math.max(times[times.length - 1], t0 + 1);
+    const X = (t) => pad.l + ((t - t0) / (t1 - t0)) * (w - pad.l - pad.r);
+    const Y = (v) => h - pad.b - ((v - lo) / (hi - lo)) * (h - pad.t - pad.b);
+    ctx.strokeStyle = "#e5e7eb";
+    ctx.textAlign = "right";
+    for (let i = 0; i <= 3; i++) {
+      const v = lo + ((hi - lo) * i) / 3;
+      ctx.beginPath(); ctx.moveTo(pad.l, Y(v)); ctx.lineTo(w - pad.r, Y(v)); ctx.stroke();
+      ctx.fillText(format(v), pad.l - 4, Y(v) + 4);
+    }
+    ctx.textAlign = "left";
+    ctx.fillText(`${fmt(t1 - t0, 0)} s`, w - pad.r - 40, h - 4);
+    series.forEach((s, k) => {
+      ctx.strokeStyle = COLOURS[k % COLOURS.length];
+      ctx.setLineDash(s.dash || []);
+      ctx.lineWidth = 1.5;
+      ctx.beginPath();
+      let down = false;
+      s.values.forEach((v, i) => {
+        if (v === null || v === undefined) { down = false; return; }
+        if (down) ctx.lineTo(X(times[i]), Y(v)); else ctx.moveTo(X(times[i]), Y(v));
+        down = true;
+      });
+      ctx.stroke();
+      ctx.setLineDash([]);
+      const last = [...s.values].reverse().find((v) => v !== null && v !== undefined);
+      ctx.fillStyle = COLOURS[k % COLOURS.length];
+      ctx.fillText(`${s.label}: ${last === undefined ? "–" : format(last)}`, pad.l + 4 + k * 150, 12);
+    });
+  }
+
+  function barChart(canvas, hist) {
+    const { ctx, w, h } = prepare(canvas);
+    ctx.fillStyle = "#6b7280";
+    if (!hist || !hist.count) { ctx.fillText("no episodes yet", 64, h / 2); return; }
+    const pad = { l: 40, r: 10, t: 16, b: 30 };
+    const n = hist.counts.length, top = Math.max(...hist.counts, 1);
+    const bw = (w - pad.l - pad.r) / n;
+    ctx.fillText(`${fmt(hist.count)} episodes, mean ${fmt(hist.sum / hist.count)}`, pad.l, 11);
+    ctx.textAlign = "center";
+    hist.counts.forEach((c, i) => {
+      const bh = (c / top) * (h - pad.t - pad.b);
+      ctx.fillStyle = COLOURS[0];
+      ctx.fillRect(pad.l + i * bw + 1, h - pad.b - bh, Math.max(bw - 2, 1), bh);
+      ctx.fillStyle = "#6b7280";
+      const b = hist.bounds[i];
+      if (n <= 16 || i % Math.ceil(n / 16) === 0) ctx.fillText(b === null ? "+∞" : `≤${fmt(b)}`, pad.l + (i + 0.5) * bw, h - pad.b + 12);
+    });
+    ctx.textAlign = "right";
+    ctx.fillText(fmt(top), pad.l - 4, pad.t + 8);
+  }
+
+  // ------------------------------------------------------------------ start
+  document.addEventListener("DOMContentLoaded", () => {
+    for (const id of ["field-x", "field-y", "colour"]) $(id).addEventListener("change", drawHeatmap);
+    $("heatmap").addEventListener("mousemove", onHover);
+    $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+    poll();
+  });
+})();

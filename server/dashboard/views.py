@@ -1,0 +1,198 @@
+"""What the dashboard's JSON API answers, built from the server's own objects.
+
+Plain functions over `SessionStatus`, the sampler's history, the metrics snapshot and the
+store's archive table; no HTTP in here. Every value is JSON as browsers parse it: numbers as
+numbers, non-finite floats as null.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from recorder_client.status import SessionStatus
+
+from .sampler import Sample, history, session_values, worker_values
+
+# The columns of the archive table that are not cell-key fields or utilities, in page order.
+ARCHIVE_COLUMNS = (
+    "visits",
+    "times_chosen",
+    "first_seen_step",
+    "best_return",
+    "best_length",
+    "best_trajectory_id",
+    "best_step",
+    "midpoint_starts",
+    "selection_probability",
+)
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _latest_rate(series: list) -> float | None:
+    return series[-1] if series else None
+
+
+def summary(status: SessionStatus, samples: list[Sample], has_store: bool) -> dict[str, Any]:
+    """One row of ``/api/sessions``."""
+    hist = history(samples[-2:])
+    return {
+        "name": status.session,
+        "workers": len(status.workers),
+        "active_workers": sum(w.active for w in status.workers),
+        "steps": status.num_recorded_steps,
+        "episodes": status.episodes_finished,
+        "chunks": status.chunks_stored,
+        "chunks_dropped": status.chunks_dropped,
+        "sequences_lost": status.sequences_lost,
+        "raw_bytes": status.raw_bytes,
+        "wire_bytes": status.wire_bytes,
+        "is_full": status.is_full,
+        "max_episodes": status.max_episodes,
+        "idle_seconds": status.idle_seconds,
+        "store": has_store,
+        "raw_mb_s": _latest_rate(hist["raw_mb_s"]),
+        "steps_s": _latest_rate(hist["steps_s"]),
+    }
+
+
+def workers(
+    status: SessionStatus,
+    snapshot: Mapping[str, float],
+    first_seen: Callable[[str], float | None],
+) -> list[dict[str, Any]]:
+    """The session's workers in join order, with the tracker's latest ack latency."""
+    acks = worker_values(dict(snapshot), "Recorder/ack_latency_seconds", status.session)
+    return [
+        {
+            "worker_id": w.worker_id,
+            "index": w.worker_index,
+            "active": w.active,
+            "joined": first_seen(w.worker_id),
+            "lag_s": w.idle_seconds,
+            "ack_latency_s": acks.get(w.worker_id),
+            "num_envs": w.num_envs,
+            "last_sequence": w.last_sequence,
+            "chunks": w.chunks_stored,
+            "chunks_dropped": w.chunks_dropped,
+            "sequences_lost": w.sequences_lost,
+            "steps": w.steps,
+            "episodes": w.episodes_finished,
+            "raw_bytes": w.raw_bytes,
+            "wire_bytes": w.wire_bytes,
+        }
+        for w in status.workers
+    ]
+
+
+def detail(
+    status: SessionStatus,
+    samples: list[Sample],
+    snapshot: Mapping[str, float],
+    first_seen: Callable[[str], float | None],
+    histograms: dict[str, Any] | None,
+    store: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``/api/sessions/NAME``: the summary, the workers, the series over time, the episode
+    histograms and (with a store) its configuration and latest levels."""
+    values = session_values(dict(snapshot), status.session)
+    out = summary(status, samples, store is not None)
+    out["record_states"] = status.record_states
+    out["state_fields"] = list(status.state_fields)
+    out["worker_table"] = workers(status, snapshot, first_seen)
+    out["history"] = history(samples)
+    out["histograms"] = histograms
+    out["episode_totals"] = {
+        k: _num(values[f"Episode/{k}"])
+        for k in ("count", "return_mean", "return_min", "return_max", "length_mean")
+        if f"Episode/{k}" in values
+    }
+    if store is not None:
+        store = dict(store)
+        store["levels"] = {
+            k[len("Trajectories/") :]: _num(v)
+            for k, v in values.items()
+            if k.startswith("Trajectories/")
+        }
+    out["store_info"] = store
+    return out
+
+
+def store_info(capture) -> dict[str, Any] | None:
+    """The cell fields and utilities a session's store keys and scores by; None without one."""
+    if capture is None:
+        return None
+    return {
+        "cell_fields": [f.key_name for f in capture.cell_fields],
+        "utilities": [u.name for u in capture.utilities],
+    }
+
+
+def archive(table: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """``/api/sessions/NAME/archive``: the archive table as columns of plain lists, one entry
+    per cell in first-seen order; ``fields`` and ``utilities`` name the ``cell:`` and
+    ``utility:`` columns."""
+    columns: dict[str, list] = {}
+    for key, column in table.items():
+        column = np.asarray(column)
+        if column.dtype.kind == "f":
+            finite = np.isfinite(column)
+            values = column.tolist()
+            if not finite.all():
+                values = [v if ok else None for v, ok in zip(values, finite.tolist())]
+            columns[key] = values
+        else:
+            columns[key] = column.tolist()
+    n = len(next(iter(columns.values()))) if columns else 0
+    return {
+        "cells": n,
+        "fields": [k[len("cell:") :] for k in table if k.startswith("cell:")],
+        "utilities": [k[len("utility:") :] for k in table if k.startswith("utility:")],
+        "columns": columns,
+    }
+
+
+def episode_histograms(families: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """``{session: {"return": {...}, "length": {...}}}`` from prometheus_client metric
+    families (a registry's ``collect()``): each histogram as bucket upper bounds (the last
+    null for +Inf), per-bucket counts (not cumulative), count and sum."""
+    out: dict[str, dict[str, Any]] = {}
+    for family in families:
+        if family.type != "histogram":
+            continue
+        if family.name.endswith("_episode_return"):
+            kind = "return"
+        elif family.name.endswith("_episode_length"):
+            kind = "length"
+        else:
+            continue
+        per: dict[str, dict[str, Any]] = {}
+        for sample in family.samples:
+            session = sample.labels.get("session", "")
+            entry = per.setdefault(session, {"le": [], "cumulative": [], "count": 0, "sum": 0.0})
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                entry["le"].append(le)
+                entry["cumulative"].append(sample.value)
+            elif sample.name.endswith("_count"):
+                entry["count"] = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                entry["sum"] = _num(sample.value)
+        for session, entry in per.items():
+            order = np.argsort(entry["le"], kind="stable")
+            bounds = [entry["le"][i] for i in order]
+            cumulative = np.asarray([entry["cumulative"][i] for i in order], dtype=np.float64)
+            counts = np.diff(cumulative, prepend=0.0).astype(np.int64).tolist()
+            out.setdefault(session, {})[kind] = {
+                "bounds": [_num(b) for b in bounds],
+                "counts": counts,
+                "count": entry["count"],
+                "sum": entry["sum"],
+            }
+    return out

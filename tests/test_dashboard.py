@@ -1,0 +1,385 @@
+"""The live dashboard (`serve --http-listen`): its JSON API and token gate against a real
+server, and the page itself in headless Chromium (Debian's `chromium` + `chromium-driver`,
+driven by selenium; skipped with the reason when /usr/bin/chromium is absent).
+
+The browser test feeds a scripted walk whose visited cells are known, and checks that the
+heatmap the page drew has exactly those cells, that the live counters move while a worker
+records, and that a wrong token is refused. Screenshots go to tests/artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.cookiejar import CookieJar
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recorder_client import CellField, RolloutRecorder, TrajectoryTrainingConfiguration
+from recorder_server import ServerOptions, start_server
+from recorder_server.dashboard.sampler import Sample, history
+from recorder_server.durability import DurabilityOptions
+
+TOKEN = "dashboard-test-token-0123456789"
+ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+# Cells (x, y // 2) over a recorded position (x, y).
+CONFIG = TrajectoryTrainingConfiguration(
+    cell_fields=(
+        CellField("pos", (0,), name="x"),
+        CellField("pos", (1,), bucket=2, name="y"),
+    ),
+)
+
+# Two workers' walks: each chunk is one whole episode (done at its last step) along its path.
+PATHS = {
+    "w0": [(x, 0) for x in range(10)] + [(9, y) for y in range(1, 8)],
+    "w1": [(i, i) for i in range(7)] + [(2, 12), (3, 12), (3, 13)],
+}
+VISITED = {(x, y // 2) for path in PATHS.values() for x, y in path}
+
+
+def walk_chunk(path: list[tuple[int, int]]) -> tuple[dict, dict]:
+    """One (T, 1) chunk that walks `path` and ends its episode at the last step."""
+    t = len(path)
+    done = np.zeros((t, 1), dtype=bool)
+    done[-1] = True
+    rollout = {
+        "action": np.zeros((t, 1), dtype=np.int32),
+        "reward": np.linspace(0.0, 1.0, t, dtype=np.float32).reshape(t, 1),
+        "done": done,
+    }
+    return rollout, {"pos": np.asarray(path, dtype=np.int32).reshape(t, 1, 2)}
+
+
+def recorder(target: str, worker: str) -> RolloutRecorder:
+    return RolloutRecorder(
+        record_states=True,
+        state_fields=["pos"],
+        target=target,
+        session="walk",
+        worker_id=worker,
+        capture=CONFIG,
+        token=TOKEN,
+    )
+
+
+@pytest.fixture
+def dashboard_server(tmp_path: Path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    running = start_server(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path / "data"),
+            token_file=str(token_file),
+            http_listen="127.0.0.1:0",
+            durability=DurabilityOptions(enabled=False),
+        )
+    )
+    try:
+        yield running
+    finally:
+        running.stop(grace=0)
+
+
+def http(url: str, *, token: str | None = None, data: bytes | None = None, opener=None):
+    """(status, headers, body) of one request; errors are answers too."""
+    request = urllib.request.Request(url, data=data)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with (opener or urllib.request.build_opener(_NoRedirect)).open(request, timeout=10) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure part: series over time from samples
+
+
+def test_history_rates_and_episode_means_between_samples():
+    samples = [
+        Sample(100.0, 0, 0, 0, 0, 0, {"episode_count": 0.0}),
+        Sample(101.0, 50, 2_000_000, 1_000_000, 5, 2, {"episode_count": 2, "return_mean": 3.0}),
+        Sample(
+            103.0,
+            150,
+            6_000_000,
+            2_000_000,
+            9,
+            6,
+            {"episode_count": 6, "return_mean": 5.0, "length_mean": 10.0, "cells": 7.0},
+        ),
+        Sample(104.0, 0, 0, 0, 0, 0, {}),  # a reset: no rate at this point
+    ]
+    h = history(samples)
+    assert h["time"] == [101.0, 103.0, 104.0]
+    assert h["steps_s"] == [50.0, 50.0, None]
+    assert h["raw_mb_s"] == [2.0, 2.0, None]
+    assert h["wire_mb_s"] == [1.0, 0.5, None]
+    assert h["episodes_s"] == [2.0, 2.0, None]
+    # The 4 episodes between the 2nd and 3rd sample: (6 * 5 - 2 * 3) / 4 = 6.
+    assert h["return_mean"] == [3.0, 6.0, None]
+    assert h["cells"] == [None, 7.0, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# The API and its token, against a real server
+
+
+def test_api_requires_the_token_and_answers_json(dashboard_server):
+    base = f"http://{dashboard_server.http_address}"
+    with recorder(dashboard_server.address, "w0") as rec:
+        for _ in range(3):
+            rec.record(*walk_chunk(PATHS["w0"]))
+    for path in ("/api/sessions", "/api/sessions/walk", "/api/sessions/walk/archive", "/metrics"):
+        assert http(base + path)[0] == 401, path
+        assert http(base + path, token="wrong")[0] == 401, path
+    status, headers, body = http(base + "/")
+    assert status == 401 and b'name="token"' in body  # the login form
+
+    status, _, body = http(base + "/api/sessions", token=TOKEN)
+    assert status == 200
+    (row,) = json.loads(body)["sessions"]
+    assert row["name"] == "walk" and row["store"] is True
+    assert row["steps"] == 3 * len(PATHS["w0"]) and row["episodes"] == 3
+
+    status, _, body = http(base + "/api/sessions/walk", token=TOKEN)
+    detail = json.loads(body)
+    assert status == 200
+    store = detail["store_info"]
+    assert (store["cell_fields"], store["utilities"]) == (["x", "y"], [])
+    assert store["levels"]["archive_cells"] == len({(x, y // 2) for x, y in PATHS["w0"]})
+    assert store["levels"]["repository_capacity_bytes"] == CONFIG.repository_capacity_bytes
+    assert [w["worker_id"] for w in detail["worker_table"]] == ["w0"]
+    assert detail["histograms"]["return"]["count"] == 3
+
+    status, _, body = http(base + "/api/sessions/walk/archive", token=TOKEN)
+    archive = json.loads(body)
+    cells = set(zip(archive["columns"]["cell:x"], archive["columns"]["cell:y"]))
+    assert cells == {(x, y // 2) for x, y in PATHS["w0"]}
+    assert sum(archive["columns"]["visits"]) == 3 * len(PATHS["w0"])
+    assert http(base + "/api/sessions/nope", token=TOKEN)[0] == 404
+
+    status, _, body = http(base + "/metrics", token=TOKEN)
+    assert status == 200 and b'rollout_recorder_chunks_total{session="walk"} 3.0' in body
+
+    # The login form: a wrong token is 401, the right one sets an HttpOnly cookie.
+    assert http(base + "/login", data=b"token=wrong")[0] == 401
+    status, headers, _ = http(base + "/login", data=f"token={TOKEN}".encode())
+    assert status == 303
+    cookie = headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie
+    jar = CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    http(base + "/login", data=f"token={TOKEN}".encode(), opener=opener)
+    assert http(base + "/api/sessions", opener=opener)[0] == 200
+
+
+def test_serve_http_listen_prints_the_dashboard_address(tmp_path: Path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
+        + ["--data-dir", str(tmp_path), "--no-wal", "--http-listen", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        dashboard = proc.stdout.readline().strip()
+        assert dashboard.startswith("rollout-recorder dashboard at http://127.0.0.1:")
+        assert proc.stdout.readline().startswith("rollout-recorder listening on ")
+        url = dashboard.rsplit(" ", 1)[1]
+        status, headers, body = http(url)
+        assert status == 200 and b"static/app.js" in body
+        assert http(url + "static/app.js")[0] == 200
+        assert json.loads(http(url + "api/sessions")[2])["sessions"] == []
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The page, in headless Chromium
+
+
+def _browser():
+    if not CHROMIUM.exists():
+        pytest.skip(
+            "/usr/bin/chromium is absent: apt-get install chromium chromium-driver (Debian's "
+            "browser; the test downloads none)"
+        )
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2200",
+    ):
+        options.add_argument(arg)
+    return webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+
+
+def _wait(driver, predicate, timeout: float = 20.0, what: str = ""):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(
+        lambda d: predicate(d), message=what
+    )
+
+
+def _read(driver, css: str, data: str | None = None) -> str | None:
+    """An element's text (or data attribute) read in one script: the page replaces its rows
+    every poll, so an element found first may be gone by the time it is read."""
+    return driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        "return e ? (arguments[1] ? e.dataset[arguments[1]] : e.textContent) : null;",
+        css,
+        data,
+    )
+
+
+def test_dashboard_in_headless_chromium(dashboard_server):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    base = f"http://{dashboard_server.http_address}/"
+    target = dashboard_server.address
+    # The scripted walk: each worker walks its path twice.
+    for worker, path in PATHS.items():
+        with recorder(target, worker) as rec:
+            for _ in range(2):
+                rec.record(*walk_chunk(path))
+    total_steps = 2 * sum(len(p) for p in PATHS.values())
+
+    driver = _browser()
+    shots = []
+    try:
+        # A wrong token is refused: the form says so (and the server answered 401).
+        driver.get(base)
+        driver.find_element(By.ID, "token").send_keys("not-the-token")
+        driver.find_element(By.ID, "submit").click()
+        _wait(driver, lambda d: "Wrong token." in d.find_element(By.ID, "message").text)
+        assert http(base + "api/sessions", token="not-the-token")[0] == 401
+        shots.append(ARTIFACTS / "dashboard-wrong-token.png")
+        driver.save_screenshot(str(shots[-1]))
+
+        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "submit").click()
+        _wait(
+            driver,
+            lambda d: (
+                d.execute_script("return (window.rrDashboard && window.rrDashboard.polls) || 0") > 0
+            ),
+            what="the page never polled the API",
+        )
+
+        # The heatmap's non-empty cells are exactly the visited ones, and their visits add up
+        # to the steps walked.
+        def drawn():
+            return driver.execute_script(
+                "const h = window.rrDashboard.heatmap;"
+                "return h && h.bins.length ? {x: h.x, y: h.y, colour: h.colour,"
+                " bins: h.bins.map(b => [b.x, b.y, b.visits])} : null;"
+            )
+
+        _wait(driver, lambda d: drawn() is not None, what="the heatmap was never drawn")
+        heat = drawn()
+        assert (heat["x"], heat["y"], heat["colour"]) == ("x", "y", "visits")
+        assert {(x, y) for x, y, _ in heat["bins"]} == VISITED
+        assert sum(v for _, _, v in heat["bins"]) == total_steps
+
+        # Hovering a cell shows its numbers.
+        h = driver.execute_script(
+            "const h = window.rrDashboard.heatmap; return {x0: h.x0, y1: h.y1, size: h.size,"
+            " l: h.pad.l, t: h.pad.t};"
+        )
+        canvas = driver.find_element(By.ID, "heatmap")
+        cx, cy = 9, 7 // 2  # the end of w0's walk
+        px = h["l"] + (cx - h["x0"] + 0.5) * h["size"] - canvas.size["width"] / 2
+        py = h["t"] + (h["y1"] - cy + 0.5) * h["size"] - canvas.size["height"] / 2
+        ActionChains(driver).move_to_element_with_offset(canvas, int(px), int(py)).perform()
+        tip = driver.find_element(By.ID, "tooltip")
+        _wait(driver, lambda d: tip.is_displayed(), what="no tooltip on hover")
+        assert f"x = {cx}, y = {cy}" in tip.text and "visits: 4" in tip.text
+        shots.append(ARTIFACTS / "dashboard-heatmap.png")
+        driver.find_element(By.ID, "store").screenshot(str(shots[-1]))
+
+        # The live counters move while a worker records.
+        def steps_shown() -> int:
+            return int(_read(driver, '#counters [data-field="steps"]', "value"))
+
+        assert steps_shown() == total_steps
+        stop = threading.Event()
+
+        def record_live() -> None:
+            with recorder(target, "live") as rec:
+                while not stop.is_set():
+                    rec.record(*walk_chunk(PATHS["w0"]))
+                    time.sleep(0.1)
+
+        live = threading.Thread(target=record_live, daemon=True)
+        live.start()
+        try:
+            seen = [steps_shown()]
+            for _ in range(3):
+                before = seen[-1]
+                _wait(driver, lambda d, b=before: steps_shown() > b, what="steps did not move")
+                seen.append(steps_shown())
+            _wait(
+                driver,
+                lambda d: (
+                    _read(d, '#sessions td[data-field="steps_s"]') not in ("–", "0")
+                    and _read(d, '#sessions td[data-field="raw_mb_s"]') not in ("–", "0")
+                ),
+                what="no ingest rates shown",
+            )
+            _wait(
+                driver,
+                lambda d: (
+                    d.execute_script("return document.querySelectorAll('#workers tbody tr').length")
+                    == 3
+                ),
+                what="the live worker is not in the table",
+            )
+            shots.append(ARTIFACTS / "dashboard-live.png")
+            driver.save_screenshot(str(shots[-1]))
+        finally:
+            stop.set()
+            live.join(timeout=30)
+        assert seen == sorted(seen) and len(set(seen)) == 4
+        # Still exactly the visited cells after the live worker's walks (it revisits w0's).
+        final = dashboard_server.sessions.get("walk").status().num_recorded_steps
+        _wait(
+            driver,
+            lambda d: sum(v for _, _, v in (drawn() or {"bins": []})["bins"]) == final,
+            what="the heatmap did not catch up with the recorded steps",
+        )
+        assert {(x, y) for x, y, _ in drawn()["bins"]} == VISITED
+    finally:
+        driver.quit()
+    for shot in shots:
+        assert shot.stat().st_size > 0
+        print(f"screenshot: {shot}")
