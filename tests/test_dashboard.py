@@ -167,7 +167,9 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     assert (store["cell_fields"], store["utilities"]) == (["x", "y"], [])
     assert store["levels"]["archive_cells"] == len({(x, y // 2) for x, y in PATHS["w0"]})
     assert store["levels"]["repository_capacity_bytes"] == CONFIG.repository_capacity_bytes
-    assert [w["worker_id"] for w in detail["worker_table"]] == ["w0"]
+    (worker,) = detail["worker_table"]
+    assert worker["worker_id"] == "w0" and worker["chunks"] == 3 and not worker["active"]
+    assert 0 <= time.time() - worker["joined"] < 60
     assert detail["histograms"]["return"]["count"] == 3
 
     status, _, body = http(base + "/api/sessions/walk/archive", token=TOKEN)

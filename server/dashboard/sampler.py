@@ -161,9 +161,6 @@ class Sampler:
         self._clock = clock
         self._lock = threading.Lock()
         self._rings: dict[str, deque[Sample]] = {}
-        # (session, worker) -> unix time the dashboard first saw the worker (within one period
-        # of its join; workers held when the server started are seen at the first sample).
-        self._first_seen: dict[tuple[str, str], float] = {}
         self.started = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -184,30 +181,22 @@ class Sampler:
         """Take one sample of every session now."""
         now = self._clock()
         snapshot = self._metrics.snapshot()
-        taken: dict[str, tuple[Sample, list[str]]] = {}
+        taken: dict[str, Sample] = {}
         for session in self._sessions.all():
             status = session.status()
-            sample = take(status, session_values(snapshot, status.session), now)
-            taken[status.session] = (sample, [w.worker_id for w in status.workers])
+            taken[status.session] = take(status, session_values(snapshot, status.session), now)
         with self._lock:
             for name in [n for n in self._rings if n not in taken]:
                 del self._rings[name]
-            self._first_seen = {k: v for k, v in self._first_seen.items() if k[0] in taken}
-            for name, (sample, workers) in taken.items():
+            for name, sample in taken.items():
                 ring = self._rings.get(name)
                 if ring is None:
                     ring = self._rings[name] = deque(maxlen=self._ring)
                 ring.append(sample)
-                for w in workers:
-                    self._first_seen.setdefault((name, w), now)
 
     def samples(self, session: str) -> list[Sample]:
         with self._lock:
             return list(self._rings.get(session, ()))
-
-    def first_seen(self, session: str, worker: str) -> float | None:
-        with self._lock:
-            return self._first_seen.get((session, worker))
 
     def close(self) -> None:
         self._stop.set()

@@ -8,7 +8,7 @@ numbers, non-finite floats as null.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -62,11 +62,7 @@ def summary(status: SessionStatus, samples: list[Sample], has_store: bool) -> di
     }
 
 
-def workers(
-    status: SessionStatus,
-    snapshot: Mapping[str, float],
-    first_seen: Callable[[str], float | None],
-) -> list[dict[str, Any]]:
+def workers(status: SessionStatus, snapshot: Mapping[str, float]) -> list[dict[str, Any]]:
     """The session's workers in join order, with the tracker's latest ack latency."""
     acks = worker_values(dict(snapshot), "Recorder/ack_latency_seconds", status.session)
     return [
@@ -74,7 +70,7 @@ def workers(
             "worker_id": w.worker_id,
             "index": w.worker_index,
             "active": w.active,
-            "joined": first_seen(w.worker_id),
+            "joined": w.joined_unix or None,
             "lag_s": w.idle_seconds,
             "ack_latency_s": acks.get(w.worker_id),
             "num_envs": w.num_envs,
@@ -95,7 +91,6 @@ def detail(
     status: SessionStatus,
     samples: list[Sample],
     snapshot: Mapping[str, float],
-    first_seen: Callable[[str], float | None],
     histograms: dict[str, Any] | None,
     store: dict[str, Any] | None,
 ) -> dict[str, Any]:
@@ -105,7 +100,7 @@ def detail(
     out = summary(status, samples, store is not None)
     out["record_states"] = status.record_states
     out["state_fields"] = list(status.state_fields)
-    out["worker_table"] = workers(status, snapshot, first_seen)
+    out["worker_table"] = workers(status, snapshot)
     out["history"] = history(samples)
     out["histograms"] = histograms
     out["episode_totals"] = {

@@ -287,7 +287,6 @@ class Dashboard:
             status,
             self.sampler.samples(status.session),
             snapshot,
-            lambda worker: self.sampler.first_seen(status.session, worker),
             histograms,
             views.store_info(session.config.capture),
         )
