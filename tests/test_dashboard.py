@@ -25,6 +25,7 @@ import pytest
 from recorder_client import CellField, RolloutRecorder, TrajectoryTrainingConfiguration
 from recorder_server import ServerOptions, start_server
 from recorder_server.dashboard.sampler import Sample, history
+from recorder_server.dashboard.views import archive_bins
 from recorder_server.durability import DurabilityOptions
 
 TOKEN = "dashboard-test-token-0123456789"
@@ -139,6 +140,35 @@ def test_history_rates_and_episode_means_between_samples():
     assert h["cells"] == [None, 7.0, None]
 
 
+def test_archive_bins_merge_cells_that_share_the_two_fields():
+    table = {
+        "cell:a": np.array([0, 1, 1, 0]),
+        "cell:b": np.array([0, 0, 0, 0]),
+        "cell:c": np.array([1, 2, 3, 4]),
+        "visits": np.array([1, 2, 3, 4]),
+        "times_chosen": np.array([0, 0, 1, 0]),
+        "first_seen_step": np.array([5, 6, 7, 8]),
+        "best_return": np.array([1.0, 5.0, 2.0, 0.0]),
+        "best_length": np.array([1, 2, 3, 4]),
+        "selection_probability": np.array([0.25] * 4),
+        "midpoint_starts": np.array([0, 1, 0, 0]),
+        "utility:u": np.array([1.0, 0.0, 1.0, 0.0]),
+    }
+    bins = archive_bins(table, "a", "b")
+    assert (bins["cells"], bins["bins"], bins["utilities"]) == (4, 2, ["u"])
+    cols = bins["columns"]
+    # Bin (0, 0) holds cells 0 and 3, bin (1, 0) cells 1 and 2.
+    assert (cols["x"], cols["y"], cols["cells"]) == ([0, 1], [0, 0], [2, 2])
+    assert cols["visits"] == [5, 5] and cols["times_chosen"] == [0, 1]
+    assert cols["best_return"] == [1.0, 5.0] and cols["best_length"] == [4, 3]
+    assert cols["first_seen_step"] == [5, 6] and cols["midpoint_starts"] == [0, 1]
+    assert cols["selection_probability"] == [0.5, 0.5]
+    # Net values weighted by visits: (1 * 1 + 0 * 4) / 5 and (0 * 2 + 1 * 3) / 5.
+    assert cols["utility:u"] == pytest.approx([0.2, 0.6])
+    with pytest.raises(ValueError, match="x: expected a cell field .*got 'z'"):
+        archive_bins(table, "z", "b")
+
+
 # ---------------------------------------------------------------------------------------------
 # The API and its token, against a real server
 
@@ -177,6 +207,11 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     cells = set(zip(archive["columns"]["cell:x"], archive["columns"]["cell:y"]))
     assert cells == {(x, y // 2) for x, y in PATHS["w0"]}
     assert sum(archive["columns"]["visits"]) == 3 * len(PATHS["w0"])
+    status, _, body = http(base + "/api/sessions/walk/archive?x=y&y=x", token=TOKEN)
+    binned = json.loads(body)
+    assert status == 200 and (binned["x"], binned["y"]) == ("y", "x")
+    assert set(zip(binned["columns"]["y"], binned["columns"]["x"])) == cells
+    assert http(base + "/api/sessions/walk/archive?x=z", token=TOKEN)[0] == 400
     assert http(base + "/api/sessions/nope", token=TOKEN)[0] == 404
 
     status, _, body = http(base + "/metrics", token=TOKEN)
@@ -244,9 +279,16 @@ def _browser():
 
 
 def _wait(driver, predicate, timeout: float = 20.0, what: str = ""):
+    from selenium.common.exceptions import (
+        JavascriptException,
+        NoSuchElementException,
+        StaleElementReferenceException,
+    )
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.2).until(
+    # A page being replaced (a form submitted, rows redrawn) is waited out, not a failure.
+    ignored = (NoSuchElementException, StaleElementReferenceException, JavascriptException)
+    return WebDriverWait(driver, timeout, poll_frequency=0.2, ignored_exceptions=ignored).until(
         lambda d: predicate(d), message=what
     )
 

@@ -191,3 +191,65 @@ def episode_histograms(families: Iterable[Any]) -> dict[str, dict[str, Any]]:
                 "sum": entry["sum"],
             }
     return out
+
+
+# How a heatmap bin combines the cells that share its two fields.
+_SUMMED = ("visits", "times_chosen", "midpoint_starts", "selection_probability")
+_HIGHEST = ("best_return", "best_length")
+
+
+def archive_bins(table: Mapping[str, np.ndarray], x: str, y: str) -> dict[str, Any]:
+    """The archive over two cell fields, one bin per (x, y) pair that some cell has: what the
+    page's heatmap draws, costing O(bins) to send whatever the archive's size. A bin's
+    ``cells`` counts the cells merged into it; visits, times chosen, midpoint starts and
+    selection probability are summed, best return and length are the highest, first-seen
+    step the earliest, and each utility's net value is averaged weighted by visits.
+    ValueError names a field the archive does not have."""
+    fields = [k[len("cell:") :] for k in table if k.startswith("cell:")]
+    for axis, name in (("x", x), ("y", y)):
+        if name not in fields:
+            raise ValueError(f"{axis}: expected a cell field ({', '.join(fields)}), got {name!r}")
+    pairs = np.stack([np.asarray(table[f"cell:{x}"]), np.asarray(table[f"cell:{y}"])], axis=1)
+    n = len(pairs)
+    if n:
+        keys, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    else:
+        keys, inverse = np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    m = len(keys)
+    bins: dict[str, np.ndarray] = {
+        "x": keys[:, 0],
+        "y": keys[:, 1],
+        "cells": np.bincount(inverse, minlength=m),
+    }
+    for name in _SUMMED:
+        if name in table:
+            bins[name] = np.bincount(inverse, weights=table[name], minlength=m)
+    for name in _HIGHEST:
+        if name in table:
+            out = np.full(m, -np.inf)
+            np.fmax.at(out, inverse, np.asarray(table[name], dtype=np.float64))
+            bins[name] = out
+    if "first_seen_step" in table:
+        out = np.full(m, np.inf)
+        np.fmin.at(out, inverse, np.asarray(table["first_seen_step"], dtype=np.float64))
+        bins["first_seen_step"] = out
+    weight = np.maximum(np.asarray(table.get("visits", np.ones(n))), 1).astype(np.float64)
+    total = np.bincount(inverse, weights=weight, minlength=m)
+    utilities = [k[len("utility:") :] for k in table if k.startswith("utility:")]
+    for name in utilities:
+        summed = np.bincount(inverse, weights=table[f"utility:{name}"] * weight, minlength=m)
+        bins[f"utility:{name}"] = summed / np.maximum(total, 1e-300)
+    for name in ("visits", "times_chosen", "midpoint_starts", "best_length", "first_seen_step"):
+        if name in bins:
+            bins[name] = np.where(np.isfinite(bins[name]), bins[name], 0).astype(np.int64)
+    body = archive(bins)
+    return {
+        "cells": n,
+        "bins": m,
+        "x": x,
+        "y": y,
+        "fields": fields,
+        "utilities": utilities,
+        "columns": body["columns"],
+    }

@@ -103,7 +103,8 @@ class Dashboard:
         self._gate = TokenGate(token)
         self._static = _static_files()
         self.sampler = Sampler(sessions, metrics)
-        self._archives: dict[str, tuple[float, _Response]] = {}
+        # session name -> (monotonic time, the session, its archive table or None)
+        self._archives: dict[str, tuple[float, Any, dict | None]] = {}
         self._archive_lock = threading.Lock()
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -199,7 +200,7 @@ class Dashboard:
             if tail == "":
                 return self._session_json(name)
             if tail == "archive":
-                return self._archive_json(name)
+                return self._archive_json(name, parse_qs(environ.get("QUERY_STRING", "")))
         return _json("404 Not Found", {"error": f"no such page: {path}"})
 
     # ------------------------------------------------------------------ pages
@@ -293,28 +294,42 @@ class Dashboard:
         body["time"] = time.time()
         return _json("200 OK", body)
 
-    def _archive_json(self, name: str) -> _Response:
+    def _archive_json(self, name: str, query: dict[str, list[str]]) -> _Response:
+        """All cells as columns; with ``?x=FIELD&y=FIELD``, binned over those two fields (what
+        the page asks for: its size is the number of bins, not of cells)."""
+        table = self._archive_table(name)
+        if table is None:
+            return _json(
+                "404 Not Found",
+                {"error": f"session {name!r} has no trajectory store (created without capture=)"},
+            )
+        if "x" not in query and "y" not in query:
+            return _json("200 OK", views.archive(table))
+        fields = [k[len("cell:") :] for k in table if k.startswith("cell:")]
+        x = query.get("x", fields[:1])[0]
+        y = query.get("y", fields[1:2] or fields[:1])[0]
+        try:
+            return _json("200 OK", views.archive_bins(table, x, y))
+        except ValueError as exc:
+            return _json("400 Bad Request", {"error": str(exc)})
+
+    def _archive_table(self, name: str) -> dict | None:
+        """The session's archive table, copied at most once per ARCHIVE_CACHE_S whatever the
+        number of pages asking."""
         session = self._session(name)
         now = time.monotonic()
         with self._archive_lock:
             cached = self._archives.get(name)
-            if cached is not None and now - cached[0] < ARCHIVE_CACHE_S:
-                return cached[1]
+            if cached is not None and cached[1] is session and now - cached[0] < ARCHIVE_CACHE_S:
+                return cached[2]
         # The processor's table, not Session.archive(): a look at the page must neither wait
         # for the ingest queue to drain nor count as a use of the session (--session-ttl).
         table = session.processor.archive_table()
-        if table is None:
-            response = _json(
-                "404 Not Found",
-                {"error": f"session {name!r} has no trajectory store (created without capture=)"},
-            )
-        else:
-            response = _json("200 OK", views.archive(table))
         with self._archive_lock:
             live = {s.name for s in self._sessions.all()}
             self._archives = {k: v for k, v in self._archives.items() if k in live}
-            self._archives[name] = (now, response)
-        return response
+            self._archives[name] = (now, session, table)
+        return table
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -6,18 +6,12 @@
   const POLL_MS = 1000;
   const ARCHIVE_MS = 2000;
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c"];
-  // Aggregation of a heatmap bin's cells per colour column (several cells share a bin when
-  // the archive has more than two cell fields).
-  const AGG = {
-    visits: "sum", times_chosen: "sum", midpoint_starts: "sum", selection_probability: "sum",
-    best_return: "max", best_length: "max", first_seen_step: "min",
-  };
 
   const state = {
     selected: null,      // session name
     sessions: [],        // /api/sessions rows
     detail: null,        // /api/sessions/NAME
-    archive: null,       // /api/sessions/NAME/archive
+    archive: null,       // /api/sessions/NAME/archive?x=FIELD&y=FIELD: one bin per (x, y)
     archiveAt: 0,
     heatmap: null,       // what the heatmap drew: {x, y, colour, bins: [{x, y, value, ...}]}
     polls: 0,
@@ -79,11 +73,8 @@
           const name = encodeURIComponent(state.selected);
           state.detail = await get(`api/sessions/${name}`);
           if (state.detail && state.detail.store_info) {
-            const now = Date.now();
-            if (now - state.archiveAt >= ARCHIVE_MS) {
-              state.archiveAt = now;
-              state.archive = await get(`api/sessions/${name}/archive`);
-            }
+            setupSelects(state.detail.store_info);  // the fields the archive is binned over
+            if (Date.now() - state.archiveAt >= ARCHIVE_MS) await fetchArchive();
           } else {
             state.archive = null;
           }
@@ -98,6 +89,12 @@
       $("updated").textContent = `not reachable (${err.message}); retrying`;
     }
     setTimeout(poll, POLL_MS);
+  }
+
+  async function fetchArchive() {
+    state.archiveAt = Date.now();
+    const q = new URLSearchParams({ x: $("field-x").value, y: $("field-y").value });
+    state.archive = await get(`api/sessions/${encodeURIComponent(state.selected)}/archive?${q}`);
   }
 
   // ------------------------------------------------------------------ sessions table
@@ -184,16 +181,20 @@
     }
   }
 
-  function renderStore(d) {
-    const info = d.store_info;
-    $("store").hidden = !info;
-    if (!info) return;
+  function setupSelects(info) {
     const fields = info.cell_fields;
     setOptions($("field-x"), fields, fields[0]);
     setOptions($("field-y"), fields, fields[Math.min(1, fields.length - 1)]);
     const colours = ["visits", "best_return", "selection_probability", "times_chosen",
       "midpoint_starts", ...info.utilities.map((u) => `utility:${u}`)];
     setOptions($("colour"), colours, "visits");
+  }
+
+  function renderStore(d) {
+    const info = d.store_info;
+    $("store").hidden = !info;
+    if (!info) return;
+    setupSelects(info);
     const h = d.history;
     lineChart($("chart-cells"), h.time, [{ label: "cells", values: h.cells }]);
     lineChart($("chart-repo"), h.time, [
@@ -204,35 +205,14 @@
     drawHeatmap();
   }
 
-  function aggregate(kind, acc, v, w) {
-    if (v === null || v === undefined) return acc;
-    if (acc === null) return kind === "mean" ? [v * w, w] : v;
-    if (kind === "sum") return acc + v;
-    if (kind === "max") return Math.max(acc, v);
-    if (kind === "min") return Math.min(acc, v);
-    return [acc[0] + v * w, acc[1] + w];
-  }
-
-  function binArchive(archive, fx, fy) {
-    const cols = archive.columns;
-    const xs = cols[`cell:${fx}`], ys = cols[`cell:${fy}`];
-    const names = Object.keys(cols).filter((k) => !k.startsWith("cell:") && k !== "best_trajectory_id" && k !== "best_step");
-    const bins = new Map();
-    for (let i = 0; i < archive.cells; i++) {
-      const key = `${xs[i]},${ys[i]}`;
-      let b = bins.get(key);
-      if (!b) {
-        b = { x: xs[i], y: ys[i], cells: 0 };
-        for (const n of names) b[n] = null;
-        bins.set(key, b);
-      }
-      b.cells += 1;
-      const w = Math.max(cols.visits[i], 1);
-      for (const n of names) b[n] = aggregate(n.startsWith("utility:") ? "mean" : AGG[n] || "sum", b[n], cols[n][i], w);
-    }
-    const out = Array.from(bins.values());
-    for (const b of out) {
-      for (const n of names) if (Array.isArray(b[n])) b[n] = b[n][1] ? b[n][0] / b[n][1] : null;
+  // The server's bins (columns) as one object per bin.
+  function binsOf(archive) {
+    const cols = archive.columns, names = Object.keys(cols);
+    const out = [];
+    for (let i = 0; i < archive.bins; i++) {
+      const b = {};
+      for (const n of names) b[n] = cols[n][i];
+      out.push(b);
     }
     return out;
   }
@@ -258,8 +238,8 @@
       ctx.fillText(a ? "No cells yet." : "Loading…", 20, 24);
       return;
     }
-    const fx = $("field-x").value, fy = $("field-y").value, colour = $("colour").value;
-    const bins = binArchive(a, fx, fy);
+    const fx = a.x, fy = a.y, colour = $("colour").value;
+    const bins = binsOf(a);
     let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity, v0 = Infinity, v1 = -Infinity;
     for (const b of bins) {
       x0 = Math.min(x0, b.x); x1 = Math.max(x1, b.x); y0 = Math.min(y0, b.y); y1 = Math.max(y1, b.y);
@@ -269,7 +249,8 @@
     const pad = { l: 44, b: 30, t: 8, r: 8 };
     const nx = x1 - x0 + 1, ny = y1 - y0 + 1;
     const cw = (canvas.width - pad.l - pad.r) / nx, ch = (canvas.height - pad.t - pad.b) / ny;
-    const size = Math.max(Math.min(cw, ch), 0.5);
+    const size = Math.min(cw, ch);
+    const side = Math.max(size > 4 ? size - 1 : size, 1);
     ctx.fillStyle = "#eef0f3";
     ctx.fillRect(pad.l, pad.t, size * nx, size * ny);
     for (const b of bins) {
@@ -277,7 +258,7 @@
       const t = v === null || v === undefined ? 0 : v1 > v0 ? (v - v0) / (v1 - v0) : 1;
       ctx.fillStyle = v === null || v === undefined ? "#9ca3af" : colourOf(t);
       // y grows upwards, as on a map.
-      ctx.fillRect(pad.l + (b.x - x0) * size, pad.t + (y1 - b.y) * size, Math.max(size - (size > 4 ? 1 : 0), 0.5), Math.max(size - (size > 4 ? 1 : 0), 0.5));
+      ctx.fillRect(pad.l + (b.x - x0) * size, pad.t + (y1 - b.y) * size, side, side);
     }
     ctx.fillStyle = "#1d2330";
     ctx.font = "11px system-ui, sans-serif";
@@ -404,7 +385,10 @@
 
   // ------------------------------------------------------------------ start
   document.addEventListener("DOMContentLoaded", () => {
-    for (const id of ["field-x", "field-y", "colour"]) $(id).addEventListener("change", drawHeatmap);
+    $("colour").addEventListener("change", drawHeatmap);
+    for (const id of ["field-x", "field-y"]) {
+      $(id).addEventListener("change", async () => { await fetchArchive(); drawHeatmap(); });
+    }
     $("heatmap").addEventListener("mousemove", onHover);
     $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
     poll();
