@@ -229,6 +229,22 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     assert http(base + "/api/sessions", opener=opener)[0] == 200
 
 
+def test_stop_closes_the_dashboard(tmp_path: Path):
+    running = start_server(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path),
+            http_listen="127.0.0.1:0",
+            durability=DurabilityOptions(enabled=False),
+        )
+    )
+    url = f"http://{running.http_address}/api/sessions"
+    assert http(url)[0] == 200
+    running.stop(grace=0)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url, timeout=5)
+
+
 def test_serve_http_listen_prints_the_dashboard_address(tmp_path: Path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
@@ -262,7 +278,7 @@ def _browser():
             "/usr/bin/chromium is absent: apt-get install chromium chromium-driver (Debian's "
             "browser; the test downloads none)"
         )
-    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium import webdriver  # the dev extra: a missing one is a failure, not a skip
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
