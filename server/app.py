@@ -196,7 +196,8 @@ def start_server(options: ServerOptions) -> RunningServer:
             host, _, port = options.http_listen.rpartition(":")
             dashboard = Dashboard(sessions, metrics, token)
             bound_host, bound_port = dashboard.start(host.strip("[]") or "127.0.0.1", int(port))
-            http_address = f"{bound_host}:{bound_port}"
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            http_address = f"{shown}:{bound_port}"
         threads = options.threads or default_threads()
         pools = (
             Offload(threads, options.queue or threads, "recorder-ingest"),

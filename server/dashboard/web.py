@@ -28,7 +28,7 @@ import time
 from importlib import resources
 from socketserver import ThreadingMixIn
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..errors import RequestError
@@ -195,8 +195,7 @@ class Dashboard:
             return _json("200 OK", self._sessions_json())
         if path.startswith("/api/sessions/"):
             rest = path[len("/api/sessions/") :]
-            name, _, tail = rest.partition("/")
-            name = unquote(name)
+            name, _, tail = rest.partition("/")  # PATH_INFO comes percent-decoded
             if tail == "":
                 return self._session_json(name)
             if tail == "archive":
