@@ -169,6 +169,20 @@ def test_archive_bins_merge_cells_that_share_the_two_fields():
         archive_bins(table, "z", "b")
 
 
+@pytest.mark.parametrize("scale", [1, 2**40], ids=["packed keys", "spans past int64"])
+def test_archive_bins_are_the_distinct_pairs(scale: int):
+    rng = np.random.default_rng(1)
+    xs, ys = rng.integers(-5, 5, 500) * scale, rng.integers(-3, 7, 500) * scale
+    bins = archive_bins({"cell:a": xs, "cell:b": ys, "visits": np.ones(500, np.int64)}, "a", "b")
+    cols = bins["columns"]
+    pairs = list(zip(cols["x"], cols["y"]))
+    assert pairs == sorted(set(zip(xs.tolist(), ys.tolist())))
+    counts = {p: 0 for p in pairs}
+    for p in zip(xs.tolist(), ys.tolist()):
+        counts[p] += 1
+    assert cols["cells"] == cols["visits"] == [counts[p] for p in pairs]
+
+
 # ---------------------------------------------------------------------------------------------
 # The API and its token, against a real server
 

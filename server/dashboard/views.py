@@ -198,6 +198,22 @@ _SUMMED = ("visits", "times_chosen", "midpoint_starts", "selection_probability")
 _HIGHEST = ("best_return", "best_length")
 
 
+def _pairs(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct (x, y) pairs, sorted, and each cell's index among them: one int64 key per
+    pair when the spans allow (a 1-D unique, ~10x faster than ``np.unique(axis=0)``)."""
+    if not len(xs):
+        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    xs, ys = xs.astype(np.int64), ys.astype(np.int64)
+    x0, y0 = int(xs.min()), int(ys.min())
+    span_x, span_y = int(xs.max()) - x0 + 1, int(ys.max()) - y0 + 1
+    if span_x * span_y < 2**62:
+        packed, inverse = np.unique((xs - x0) * span_y + (ys - y0), return_inverse=True)
+        keys = np.stack([packed // span_y + x0, packed % span_y + y0], axis=1)
+    else:
+        keys, inverse = np.unique(np.stack([xs, ys], axis=1), axis=0, return_inverse=True)
+    return keys, inverse.reshape(-1)
+
+
 def archive_bins(table: Mapping[str, np.ndarray], x: str, y: str) -> dict[str, Any]:
     """The archive over two cell fields, one bin per (x, y) pair that some cell has: what the
     page's heatmap draws, costing O(bins) to send whatever the archive's size. A bin's
@@ -209,14 +225,8 @@ def archive_bins(table: Mapping[str, np.ndarray], x: str, y: str) -> dict[str, A
     for axis, name in (("x", x), ("y", y)):
         if name not in fields:
             raise ValueError(f"{axis}: expected a cell field ({', '.join(fields)}), got {name!r}")
-    pairs = np.stack([np.asarray(table[f"cell:{x}"]), np.asarray(table[f"cell:{y}"])], axis=1)
-    n = len(pairs)
-    if n:
-        keys, inverse = np.unique(pairs, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-    else:
-        keys, inverse = np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
-    m = len(keys)
+    keys, inverse = _pairs(np.asarray(table[f"cell:{x}"]), np.asarray(table[f"cell:{y}"]))
+    n, m = len(inverse), len(keys)
     bins: dict[str, np.ndarray] = {
         "x": keys[:, 0],
         "y": keys[:, 1],
