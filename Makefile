@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint protos bench soak clean
+.PHONY: demo test browser lint protos bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m recorder_server demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check .
 	# The store's compiled loops: built once (about half a minute), then found in numba's cache,
@@ -28,6 +28,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The dashboard's browser test drives Debian's chromium: installed here when it is missing and
+# apt can (as root); otherwise that one test says why it skips.
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
+	  echo "chromium is not installed: the dashboard's browser test will skip"
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
