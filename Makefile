@@ -37,9 +37,11 @@ browser:
 	    apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	  echo "chromium is not installed: the dashboard's browser test will skip"
 
+# Every scenario beside its reference (under 10 minutes on 2 cores), a progress line each;
+# regenerates bench/RESULTS.md. A smoke run: make bench BENCH_ARGS=--quick (RESULTS.md kept).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 # 64 workers record, finish and drop sessions for 20 minutes; server RSS and threads must stay
 # flat. Shorter: make soak SOAK_ARGS="--minutes 3".

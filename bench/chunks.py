@@ -1,16 +1,10 @@
-"""The benchmark workload: (T, N) chunks shaped like a real collection call, made fast.
+"""The bench's chunks: `recorder_server.workload.SyntheticVecEnv` (the demo's environment)
+collected into a pool, packaged for the three kinds of worker.
 
-Same distributions as `recorder_server.workload.SyntheticVecEnv` (int32 actions
-in [0, 12), float32 rewards non-zero with probability 2%, done flags with a given
-probability, `player_positions` (T, N, 1, 2) int32 a random walk on a 64x64 grid,
-`player_inventory` (T, N, 1, 16) int32 slowly increasing counts that restart at
-0 after a done), but generated without a Python loop over time: the walk is a
-cumulative sum folded back into the grid (a reflecting boundary instead of a
-clipping one), and the per-episode restart is a gather at each step's episode
-start. One chunk at T=128, N=256 is 2,654,208 raw bytes.
-
-Workers pre-generate a `pool` of distinct chunks before the clock starts and
-reuse them cyclically, so generation cost is never measured.
+Workers pre-generate a `pool` of consecutive distinct chunks before the clock starts and
+reuse them cyclically, so generation is never measured. One chunk at T=128, N=256 is
+2,654,208 raw bytes; with `frame_size=84` each env step adds an 84x84 uint8 frame (7,056
+bytes), so a pixel chunk at T=128, N=16 is about 14.6 MB.
 """
 
 from __future__ import annotations
@@ -19,12 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GRID = 64
-NUM_ACTIONS = 12
-NUM_ITEMS = 16
-REWARD_PROB = 0.02
-ITEM_GAIN_PROB = 0.01
+from recorder_server.workload import EnvStates, Rollout, SyntheticVecEnv
+
 STATE_FIELDS = ("player_positions", "player_inventory")
+FRAME_SIZE = 84  # the pixel rows' frames: (T, N, 84, 84) uint8
 
 
 def store_configuration():
@@ -48,34 +40,21 @@ def store_configuration():
 
 
 @dataclass
-class Rollout:
-    """What `collect_fn` returns as `trajectories` (attribute access, like a flax struct)."""
-
-    action: np.ndarray
-    reward: np.ndarray
-    done: np.ndarray
-
-
-@dataclass
-class EnvStates:
-    player_positions: np.ndarray
-    player_inventory: np.ndarray
-
-
-@dataclass
 class Chunk:
+    """One `collect(T)`: what `record(trajectories, env_states)` takes."""
+
     rollout: Rollout
     states: EnvStates
+    state_fields: tuple[str, ...]
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
+        out = {
             "action": self.rollout.action,
             "reward": self.rollout.reward,
             "done": self.rollout.done,
-            "player_positions": self.states.player_positions,
-            "player_inventory": self.states.player_inventory,
         }
+        return out | {name: getattr(self.states, name) for name in self.state_fields}
 
     @property
     def raw_bytes(self) -> int:
@@ -84,83 +63,30 @@ class Chunk:
     def as_dicts(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         a = self.arrays
         traj = {k: a[k] for k in ("action", "reward", "done")}
-        states = {k: a[k] for k in STATE_FIELDS}
-        return traj, states
+        return traj, {k: a[k] for k in self.state_fields}
 
     def to_bytes(self) -> bytes:
         """The uncompressed bytes of every array, back to back (the raw-gRPC payload)."""
         return b"".join(memoryview(np.ascontiguousarray(a)).cast("B") for a in self.arrays.values())
 
 
-class ChunkGenerator:
-    """Consecutive chunks of N environments; episodes continue across chunks."""
-
-    def __init__(self, num_envs: int, *, seed: int = 0, done_prob: float = 1 / 500) -> None:
-        self.num_envs = num_envs
-        self.done_prob = done_prob
-        self.rng = np.random.default_rng(seed)
-        self.pos = self.rng.integers(0, GRID, (num_envs, 2), dtype=np.int32)
-        self.inv = np.zeros((num_envs, NUM_ITEMS), dtype=np.int32)
-
-    def chunk(self, length: int) -> Chunk:
-        t_len, n, rng = length, self.num_envs, self.rng
-        action = rng.integers(0, NUM_ACTIONS, (t_len, n), dtype=np.int32)
-        hit = rng.random((t_len, n), dtype=np.float32) < REWARD_PROB
-        reward = np.zeros((t_len, n), dtype=np.float32)
-        reward[hit] = rng.standard_normal(int(hit.sum()), dtype=np.float32)
-        done = rng.random((t_len, n), dtype=np.float32) < self.done_prob
-
-        # seg[t, e]: the step at which env e's episode containing step t began in
-        # this chunk (0 when it began in an earlier chunk).
-        mark = np.zeros((t_len, n), dtype=np.int64)
-        mark[1:] = np.where(done[:-1], np.arange(1, t_len, dtype=np.int64)[:, None], 0)
-        seg = np.maximum.accumulate(mark, axis=0)
-        carried = seg == 0  # still in the episode the previous chunk left open
-
-        # Positions: a walk of steps in {-1, 0, 1} per axis from each episode's start.
-        steps = rng.integers(-1, 2, (t_len, n, 2), dtype=np.int32)
-        walk_incl = np.cumsum(steps, axis=0, dtype=np.int32)
-        walk_excl = walk_incl - steps
-        seg3 = np.broadcast_to(seg[:, :, None], (t_len, n, 2))
-        fresh = rng.integers(0, GRID, (t_len, n, 2), dtype=np.int32)
-        start = np.where(
-            carried[:, :, None], self.pos[None], np.take_along_axis(fresh, seg3, axis=0)
-        )
-        raw = start + walk_incl - np.take_along_axis(walk_excl, seg3, axis=0)
-        folded = np.mod(raw, 2 * GRID)
-        positions = np.where(folded < GRID, folded, 2 * GRID - 1 - folded).astype(np.int32)
-
-        # Inventory: Bernoulli gains per item per step, counted from the episode start.
-        gains = (rng.random((t_len, n, NUM_ITEMS), dtype=np.float32) < ITEM_GAIN_PROB).astype(
-            np.int32
-        )
-        c_incl = np.cumsum(gains, axis=0, dtype=np.int32)
-        c_excl = c_incl - gains
-        seg16 = np.broadcast_to(seg[:, :, None], (t_len, n, NUM_ITEMS))
-        base = np.where(carried[:, :, None], self.inv[None], 0)
-        inventory = base + c_incl - np.take_along_axis(c_excl, seg16, axis=0)
-
-        # What the next chunk continues from (a done on the last step restarts).
-        last_done = done[-1]
-        self.pos = positions[-1].copy()
-        self.pos[last_done] = rng.integers(0, GRID, (int(last_done.sum()), 2), dtype=np.int32)
-        self.inv = np.where(last_done[:, None], 0, inventory[-1]).astype(np.int32)
-        return Chunk(
-            Rollout(action, reward, done),
-            EnvStates(positions[:, :, None, :].copy(), inventory[:, :, None, :].copy()),
-        )
-
-
 def make_pool(
-    size: int, *, length: int = 128, num_envs: int = 256, seed: int = 0, done_prob: float = 1 / 500
+    size: int,
+    *,
+    length: int = 128,
+    num_envs: int = 256,
+    seed: int = 0,
+    done_prob: float = 1 / 500,
+    frame_size: int | None = None,
 ) -> list[Chunk]:
-    """`size` consecutive distinct chunks, to be reused cyclically."""
-    gen = ChunkGenerator(num_envs, seed=seed, done_prob=done_prob)
-    return [gen.chunk(length) for _ in range(size)]
+    """`size` consecutive distinct chunks of one environment, to be reused cyclically."""
+    env = SyntheticVecEnv(num_envs, seed=seed, done_prob=done_prob, frame_size=frame_size)
+    fields = tuple(env.state_fields)
+    return [Chunk(*env.collect(length), fields) for _ in range(size)]
 
 
 def compression_check(level: int = 1, seed: int = 0) -> dict[str, float]:
-    """zstd wire/raw ratio of this generator next to `SyntheticVecEnv` (same statistics?)."""
+    """zstd wire/raw of a chunk of each workload (the pixel one: its frames alone too)."""
     import zstandard
 
     comp = zstandard.ZstdCompressor(level=level)
@@ -170,22 +96,10 @@ def compression_check(level: int = 1, seed: int = 0) -> dict[str, float]:
         wire = sum(len(comp.compress(np.ascontiguousarray(a).tobytes())) for a in arrays.values())
         return wire / raw
 
-    ours = make_pool(2, seed=seed)[1]
-    out = {"workload_wire_over_raw": ratio(ours.arrays)}
-    try:
-        from recorder_server.workload import SyntheticVecEnv
-    except ImportError:
-        return out
-    env = SyntheticVecEnv(256, seed=seed)
-    env.collect(128)
-    rollout, states = env.collect(128)
-    out["synthetic_env_wire_over_raw"] = ratio(
-        {
-            "action": rollout.action,
-            "reward": rollout.reward,
-            "done": rollout.done,
-            "player_positions": states.player_positions,
-            "player_inventory": states.player_inventory,
-        }
-    )
-    return out
+    base = make_pool(2, seed=seed)[1]
+    pixels = make_pool(2, num_envs=16, seed=seed, frame_size=FRAME_SIZE)[1]
+    return {
+        "workload_wire_over_raw": ratio(base.arrays),
+        "pixels_wire_over_raw": ratio(pixels.arrays),
+        "frames_wire_over_raw": ratio({"frames": pixels.arrays["frames"]}),
+    }

@@ -272,6 +272,36 @@ class RecorderServer(ServerProcess, Watched):
             self._log.close()
 
 
+class DashboardServer(Child):
+    """`rollout-recorder serve --listen 127.0.0.1:0 --http-listen 127.0.0.1:0` plus any extra
+    flags: `address` (gRPC) and `http_address` (the dashboard), both read from its stdout.
+
+    Not started through the project's launcher (`RecorderServer`): it waits for the ready line
+    with select() on a buffered pipe, and the dashboard's line, printed just before, can leave
+    the ready line unseen in the buffer until the launcher's timeout.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        extra_args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
+        argv += ["--data-dir", str(data_dir), "--http-listen", "127.0.0.1:0", *extra_args]
+        super().__init__(argv, log_path=log_path, env={**os.environ, **env} if env else None)
+        try:
+            line = self.read_line(60, prefix="rollout-recorder dashboard at ")
+            self.http_address = line.rsplit(" ", 1)[1].removeprefix("http://").rstrip("/")
+            line = self.read_line(60, prefix="rollout-recorder listening on ")
+            self.address = line.rsplit(" ", 1)[1].strip()
+        except BaseException:
+            self.stop()
+            raise
+
+
 class RawGrpcServer(Child):
     """bench/raw_server.py: a generic gRPC stream that counts bytes and acks."""
 

@@ -1,13 +1,14 @@
-"""Machine facts, the issue's targets, and the markdown written to bench/RESULTS.md."""
+"""Machine facts, the targets (bench/targets.toml), and the markdown written to bench/RESULTS.md."""
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,21 +91,34 @@ def machine_info() -> dict[str, Any]:
 
 # -- targets ------------------------------------------------------------------------
 
+TARGETS_FILE = Path(__file__).resolve().parent / "targets.toml"
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
-@dataclass
+
+@dataclass(frozen=True)
 class Target:
+    """One entry of bench/targets.toml."""
+
     text: str
-    measure: Callable[[dict[str, dict[str, Any]]], float | None]
+    value: str  # arithmetic over `scenario.key.key` paths into the run's results
     op: str  # ">=" or "<="
     threshold: float
     unit: str
-    source: str
 
-    def evaluate(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def measure(self, results: dict[str, Any]) -> float | None:
+        """The value on these results; None when a scenario or key is missing."""
         try:
-            value = self.measure(results)
+            return float(_evaluate(ast.parse(self.value, mode="eval").body, results))
         except (KeyError, TypeError, ZeroDivisionError):
-            value = None
+            return None
+
+    def evaluate(self, results: dict[str, Any]) -> dict[str, Any]:
+        value = self.measure(results)
         if value is None:
             verdict = "n/a"
         elif self.op == ">=":
@@ -118,100 +132,41 @@ class Target:
             "threshold": self.threshold,
             "unit": self.unit,
             "verdict": verdict,
-            "source": self.source,
+            "source": self.value,
         }
 
 
-TARGETS = [
-    Target(
-        "200 idle open streams cost <= 10% of 4 busy workers' ingest",
-        lambda r: 1 - r["ingest_4w_idle_200"]["raw_mb_s"] / r["ingest_4w"]["raw_mb_s"],
-        "<=",
-        0.10,
-        "x",
-        "1 - ingest_4w_idle_200 / ingest_4w",
-    ),
-    Target(
-        "ingest with 4 workers no slower than the previous server core",
-        lambda r: r["ingest_4w"]["raw_mb_s"] / r["ingest_4w_previous_core"]["raw_mb_s"],
-        ">=",
-        1.0,
-        "x",
-        "ingest_4w / ingest_4w_previous_core",
-    ),
-    Target(
-        "ingest >= 400 MB/s raw with 4 workers",
-        lambda r: r["ingest_4w"]["raw_mb_s"],
-        ">=",
-        400,
-        "MB/s",
-        "ingest_4w",
-    ),
-    Target(
-        "ingest >= 1.5x the Ray-actor recorder (4 workers)",
-        lambda r: r["ingest_4w"]["raw_mb_s"] / r["ray_4w"]["raw_mb_s"],
-        ">=",
-        1.5,
-        "x",
-        "ingest_4w / ray_4w",
-    ),
-    Target(
-        "record() p99 <= 200 us (2.65 MB chunk, back-to-back, cap not reached)",
-        lambda r: r["latency"]["remote_back_to_back"]["p99_us"],
-        "<=",
-        200,
-        "us",
-        "latency",
-    ),
-    Target(
-        "remote finish() no slower than in-process (>= 20k episodes)",
-        lambda r: r["finish"]["remote_s"] / r["finish"]["inprocess_s"],
-        "<=",
-        1.0,
-        "x",
-        "finish",
-    ),
-    Target(
-        "server RSS <= 0.25x raw bytes held (4 workers)",
-        lambda r: r["ingest_4w"]["server_vm"]["VmHWM"] / r["ingest_4w"]["status"]["raw_bytes"],
-        "<=",
-        0.25,
-        "x",
-        "ingest_4w",
-    ),
-    Target(
-        "(issue 4) the store costs <= 25% of ingest throughput (4 workers)",
-        lambda r: 1 - r["ingest_4w_store_on"]["raw_mb_s"] / r["ingest_4w"]["raw_mb_s"],
-        "<=",
-        0.25,
-        "x",
-        "1 - ingest_4w_store_on / ingest_4w",
-    ),
-    Target(
-        "(issue 5) metrics cost <= 5% of ingest throughput (4 workers, end to end)",
-        lambda r: 1 - r["ingest_4w"]["raw_mb_s"] / r["ingest_4w_no_metrics"]["raw_mb_s"],
-        "<=",
-        0.05,
-        "x",
-        "1 - ingest_4w / ingest_4w_no_metrics",
-    ),
-    Target(
-        "(issue 5) metrics cost <= 5% of the server's ingest CPU (in process, low noise)",
-        lambda r: r["server_cpu"]["metrics"] / r["server_cpu"]["no_metrics"] - 1,
-        "<=",
-        0.05,
-        "x",
-        "server_cpu: metrics / no_metrics - 1",
-    ),
-    Target(
-        "(issue 4) the store costs <= 25% of the server's ingest CPU (in process)",
-        lambda r: 1 - r["server_cpu"]["metrics"] / r["server_cpu"]["store_on"],
-        "<=",
-        0.25,
-        "x",
-        "server_cpu: 1 - store off / store on",
-    ),
-]
+def _evaluate(node: ast.expr, results: dict[str, Any]) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.Name):
+        return results[node.id]
+    if isinstance(node, ast.Attribute):
+        return _evaluate(node.value, results)[node.attr]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, results)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_evaluate(node.left, results), _evaluate(node.right, results))
+    raise ValueError(f"targets.toml: unsupported expression {ast.unparse(node)!r}")
+
+
+def load_targets(path: Path = TARGETS_FILE) -> list[Target]:
+    """The targets of bench/targets.toml, each checked: ValueError names a bad entry."""
+    with path.open("rb") as f:
+        entries = tomllib.load(f).get("target", [])
+    targets = []
+    for i, entry in enumerate(entries):
+        try:
+            target = Target(**entry)
+        except TypeError as exc:
+            raise ValueError(f"{path.name}: target {i + 1}: {exc}") from None
+        if target.op not in (">=", "<="):
+            raise ValueError(
+                f"{path.name}: {target.text!r}: op must be >= or <=, got {target.op!r}"
+            )
+        target.measure({})  # parses the expression; unsupported syntax raises ValueError
+        targets.append(target)
+    return targets
 
 
 # -- markdown -------------------------------------------------------------------------
@@ -250,7 +205,7 @@ def rows_table(rows: list[Row]) -> list[str]:
 
 def targets_table(verdicts: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| Target (issue 3 unless named) | Measured | Threshold | Result |",
+        "| Target | Measured | Threshold | Result |",
         "|---|---:|---:|---|",
     ]
     for v in verdicts:
@@ -314,7 +269,7 @@ def render_markdown(doc: dict[str, Any], rows: list[Row], extra_sections: list[s
         "",
         f"Generated by `bench/run.py{' --quick' if doc['quick'] else ''}` at {doc['timestamp']} "
         f"in {doc['elapsed_s']:.0f} s. Raw numbers: `bench/results/{doc['file']}` "
-        "(and `latest.json`). Regenerated on every run; do not edit by hand.",
+        "(and `latest.json`; neither committed). Regenerated by every full run; do not edit by hand.",
         "",
         f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable cores of {m['cpu_count']}, "
         f"{m['mem_total_bytes'] / 2**30:.0f} GiB; {m['platform']}; Python {m['python']}; "
@@ -324,12 +279,21 @@ def render_markdown(doc: dict[str, Any], rows: list[Row], extra_sections: list[s
         f"Load average at start {m['loadavg_start']}, at end {m.get('loadavg_end')} "
         "(a shared machine: other jobs can move these numbers).",
         "",
-        f"Workload: T={params['length']}, N={params['num_envs']}; int32 actions in [0, 12), "
+        "Workload (the statistics of `recorder_server.workload.SyntheticVecEnv`, the demo's "
+        f"environment): T={params['length']}, N={params['num_envs']}; int32 actions in [0, 12), "
         "float32 rewards 2% non-zero, done p=1/500; `player_positions` int32 (T, N, 1, 2) "
         "random walk on 64x64; `player_inventory` int32 (T, N, 1, 16) slowly increasing counts; "
         f"{results.get('latency', {}).get('chunk_raw_bytes', 2654208) / MB:.2f} MB raw per chunk, "
         f"{params['pool']} distinct pre-generated chunks per worker reused cyclically; "
-        f"{params['ingest_chunks']} chunks per worker for ingest. Servers and workers are separate "
+        f"{params['ingest_chunks']} chunks per worker for ingest. "
+        + (
+            f"Pixel rows: the same at N={params['pixel_num_envs']} plus a `frames` state field "
+            f"(T, N, 84, 84) uint8 (a tiled grey map, the player, an inventory bar), "
+            f"{params['pixel_chunks']} distinct chunks per worker. "
+            if "pixel_chunks" in params
+            else ""
+        )
+        + "Servers and workers are separate "
         "processes on this machine; ours compresses with zstd level 1.",
         "",
         "## Targets",
@@ -439,10 +403,12 @@ def details_section(results: dict[str, dict[str, Any]]) -> list[str]:
         )
     wl = results.get("_workload")
     if wl:
-        lines.append(
-            f"- workload: zstd-1 wire/raw {wl['workload_wire_over_raw']:.3f} for the bench "
-            f"generator vs {wl.get('synthetic_env_wire_over_raw', float('nan')):.3f} for "
-            "`recorder_server.workload.SyntheticVecEnv` (same statistics, looped)."
-        )
+        text = f"- workload: zstd-1 wire/raw {wl['workload_wire_over_raw']:.3f} per chunk"
+        if "pixels_wire_over_raw" in wl:
+            text += (
+                f"; the pixel workload {wl['pixels_wire_over_raw']:.3f} "
+                f"(its frames alone {wl['frames_wire_over_raw']:.3f})"
+            )
+        lines.append(text + ".")
     lines.append("")
     return lines

@@ -1,12 +1,14 @@
 """Rollout Recorder benchmarks: `make bench` (`python bench/run.py`).
 
-Runs every scenario in `scenarios.SCENARIOS` side by side with its reference,
-then writes bench/results/<UTC timestamp>.json, bench/results/latest.json and
-bench/RESULTS.md, and prints the table.
+Runs every scenario in `scenarios.SCENARIOS` side by side with its reference, printing
+a progress line per scenario run, then writes bench/results/<UTC timestamp>.json and
+bench/results/latest.json (neither committed), regenerates bench/RESULTS.md (the targets of
+bench/targets.toml and the current table), and prints the table.
 
-    python bench/run.py                 # the full run (~5 min on 2 cores)
+    python bench/run.py                 # the full run (~8 min on 2 cores)
     python bench/run.py --quick         # a smoke run (~1 min)
-    python bench/run.py --only latency,ingest_4w
+    python bench/run.py --only latency,ingest_4w   # (--quick, --only, --skip: partial runs,
+                                                   # which leave latest.json and RESULTS.md)
     python bench/run.py --serve-args "--some-flag x"   # appended to every recorder server
     python bench/run.py --profile       # also: 4-worker ingest under py-spy (bench extra)
     python bench/run.py --keep-tmp      # keep bench/results/tmp/<stamp> (servers' data dirs)
@@ -27,17 +29,19 @@ import shutil
 import sys
 import time
 import traceback
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from chunks import compression_check  # noqa: E402
 from procs import BENCH_DIR, extract_code  # noqa: E402
 from report import (  # noqa: E402
-    TARGETS,
     cpu_table,
     details_section,
+    load_targets,
     loadavg,
     machine_info,
     render_markdown,
@@ -54,11 +58,9 @@ from scenarios import (  # noqa: E402
     Skipped,
     median_run,
 )
-from workload import compression_check  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results"
 PROFILE_JSON = RESULTS_DIR / "profile-latest.json"
-PROFILE_NOTES = BENCH_DIR / "profile_notes.md"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +68,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: a ~1 minute smoke run")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--skip", default="", help="comma-separated scenario names")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="rounds of the repeated scenarios (default 5, --quick 1); fewer make a partial run",
+    )
     parser.add_argument(
         "--with",
         dest="with_",
@@ -94,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--render-only",
         action="store_true",
-        help="rewrite RESULTS.md from results/latest.json (e.g. after editing profile_notes.md)",
+        help="rewrite RESULTS.md from results/latest.json (e.g. after editing targets.toml)",
     )
     return parser.parse_args(argv)
 
@@ -123,8 +131,11 @@ def where_the_time_goes(results: dict[str, dict[str, Any]]) -> list[str]:
         from profile_ingest import profile_markdown
 
         lines += profile_markdown(json.loads(PROFILE_JSON.read_text()))
-    if PROFILE_NOTES.exists():
-        lines += [PROFILE_NOTES.read_text().strip(), ""]
+    lines += [
+        "What these numbers mean, what was tried and what was kept: "
+        "[docs/performance.md](../docs/performance.md).",
+        "",
+    ]
     return lines
 
 
@@ -134,35 +145,60 @@ def drop_server_data(tmp: Path) -> None:
         shutil.rmtree(data, ignore_errors=True)
 
 
+class Progress:
+    """Counts scenario runs: each progress line says which of how many, and the time so far."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.started = time.monotonic()
+
+    def line(self, text: str) -> str:
+        return f"[{self.done}/{self.total}, {time.monotonic() - self.started:.0f} s] {text}"
+
+
 def run_scenario(
-    ctx: Context, doc: dict[str, Any], sc: Scenario, rep: int, keep_tmp: bool = False
+    ctx: Context,
+    doc: dict[str, Any],
+    sc: Scenario,
+    rep: int,
+    progress: Progress,
+    keep_tmp: bool = False,
 ) -> dict | None:
     """One run of a scenario; a failure is recorded, and the other scenarios go on."""
     try:
-        return _run_scenario(ctx, doc, sc, rep)
+        return _run_scenario(ctx, doc, sc, rep, progress)
     finally:
         if not keep_tmp:
             drop_server_data(ctx.tmp)
 
 
-def _run_scenario(ctx: Context, doc: dict[str, Any], sc: Scenario, rep: int) -> dict | None:
-    label = f"{sc.name}" + (f" (round {rep + 1}/{ctx.params.repeats})" if sc.repeated else "")
-    ctx.log(f"{label}: {sc.description}")
+def _run_scenario(
+    ctx: Context, doc: dict[str, Any], sc: Scenario, rep: int, progress: Progress
+) -> dict | None:
+    rounds = ctx.params.repeats
+    label = f"{sc.name}" + (f" (round {rep + 1}/{rounds})" if sc.repeated else "")
+    ctx.log(progress.line(f"{label}: {sc.description}"))
     t0 = time.monotonic()
     try:
         result = sc.run(ctx, rep)
-    except Skipped as exc:
-        doc["skipped"][sc.name] = str(exc)
-        ctx.log(f"{label} skipped: {exc}")
-        return None
     except Exception as exc:
-        doc["errors"][sc.name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        ctx.log(f"{label} FAILED: {type(exc).__name__}: {exc}")
+        if isinstance(exc, Skipped):
+            doc["skipped"][sc.name] = str(exc)
+            outcome = f"skipped: {exc}"
+        else:
+            doc["errors"][sc.name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            outcome = f"FAILED: {type(exc).__name__}: {exc}"
+        # A repeated scenario that failed or was skipped does not run in later rounds.
+        progress.total -= rounds - rep - 1 if sc.repeated else 0
+        progress.done += 1
+        ctx.log(progress.line(f"{label} {outcome}"))
         return None
     result["elapsed_s"] = time.monotonic() - t0
     if not sc.repeated:
         ctx.results[sc.name] = result
-    ctx.log(f"{label} done in {result['elapsed_s']:.1f} s")
+    progress.done += 1
+    ctx.log(progress.line(f"{label} done in {result['elapsed_s']:.1f} s"))
     return result
 
 
@@ -188,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     now = datetime.now(UTC)
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     params = Params().quick() if args.quick else Params()
+    if args.repeats is not None:
+        params = replace(params, repeats=args.repeats)
     tmp = RESULTS_DIR / "tmp" / stamp
     tmp.mkdir(parents=True, exist_ok=True)
     code = {"source": "working tree"}
@@ -217,14 +255,17 @@ def main(argv: list[str] | None = None) -> int:
             if (sc.name in only or sc.name in with_ or (not only and sc.name in default))
             and sc.name not in skip
         ]
+        progress = Progress(
+            sum(params.repeats if sc.repeated else 1 for sc in selected) + bool(args.profile)
+        )
         for sc in selected:
             if not sc.repeated:
-                run_scenario(ctx, doc, sc, 0, args.keep_tmp)
+                run_scenario(ctx, doc, sc, 0, progress, args.keep_tmp)
         runs: dict[str, list[dict[str, Any]]] = {}
         for rep in range(params.repeats):
             for sc in selected:
                 if sc.repeated and sc.name not in doc["errors"] and sc.name not in doc["skipped"]:
-                    result = run_scenario(ctx, doc, sc, rep, args.keep_tmp)
+                    result = run_scenario(ctx, doc, sc, rep, progress, args.keep_tmp)
                     if result is not None:
                         runs.setdefault(sc.name, []).append(result)
         for name, results in runs.items():
@@ -232,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             from profile_ingest import profile_ingest
 
-            ctx.log("profile: 4-worker ingest under py-spy")
+            ctx.log(progress.line("profile: 4-worker ingest under py-spy"))
             try:
                 prof = profile_ingest(ctx)
             except Exception as exc:
@@ -248,21 +289,28 @@ def main(argv: list[str] | None = None) -> int:
 
     doc["machine"]["loadavg_end"] = loadavg()
     doc["elapsed_s"] = time.monotonic() - started
-    doc["file"] = f"{stamp}{'-quick' if args.quick else ''}.json"
+    # Only a full run (every default scenario, full sizes) stands for the code: a partial one
+    # leaves latest.json and RESULTS.md as they are.
+    partial = args.quick or bool(only or skip) or params.repeats < Params().repeats
+    doc["partial"] = partial
+    doc["file"] = f"{stamp}{'-quick' if args.quick else '-partial' if partial else ''}.json"
     rows = finalize(doc)
     RESULTS_DIR.mkdir(exist_ok=True)
     text = json.dumps(doc, indent=1, default=str)
     (RESULTS_DIR / doc["file"]).write_text(text)
-    (RESULTS_DIR / "latest.json").write_text(text)
-    write_markdown(doc, rows)
+    written = [f"bench/results/{doc['file']}"]
+    if not partial:
+        (RESULTS_DIR / "latest.json").write_text(text)
+        write_markdown(doc, rows)
+        written += ["bench/results/latest.json", "bench/RESULTS.md"]
     print()
     print("\n".join(targets_table(doc["targets"])))
     print()
     print("\n".join(rows_table(rows)))
     print()
     print(
-        f"wrote bench/results/{doc['file']}, bench/results/latest.json, bench/RESULTS.md "
-        f"({doc['elapsed_s']:.0f} s)"
+        f"wrote {', '.join(written)} ({doc['elapsed_s']:.0f} s)"
+        + ("; a partial run: latest.json and RESULTS.md left as they were" if partial else "")
     )
     for name in doc["errors"]:
         print(f"scenario {name} failed; see the JSON for the traceback", file=sys.stderr)
@@ -277,7 +325,7 @@ def finalize(doc: dict[str, Any]) -> list[Row]:
     """Rows and target verdicts from the results (also for --render-only)."""
     results = doc["results"]
     rows = [row for sc in SCENARIOS + OPTIONAL_SCENARIOS for row in sc.rows(results)]
-    doc["targets"] = [t.evaluate(results) for t in TARGETS]
+    doc["targets"] = [t.evaluate(results) for t in load_targets()]
     doc["rows"] = [{**row.__dict__, "ratio": row.ratio} for row in rows]
     return rows
 

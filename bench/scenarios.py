@@ -3,11 +3,9 @@
 A scenario takes a `Context` and returns a JSON-able dict of measurements; its
 `rows` function turns the results of the whole run into table rows (so a row
 can compare against another scenario). New rows are a few lines: for example,
-once `serve` has the flag,
 
     SCENARIOS.append(ingest_scenario(
-        "ingest_4w_store_off", workers=4,
-        serve_args=("--no-trajectory-store",), compare_to="ingest_4w"))
+        "ingest_4w_no_wal", workers=4, serve_args=("--no-wal",), compare_to="ingest_4w"))
 
 runs the 4-worker ingest against a server started with that flag and adds a
 row "ours vs ingest_4w". `--serve-args` on the command line appends flags to
@@ -16,9 +14,11 @@ every recorder server of the run.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -27,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from chunks import FRAME_SIZE, STATE_FIELDS, make_pool
+from poller import DashboardPoller
 from procs import (
     BENCH_DIR,
     Child,
+    DashboardServer,
     RawGrpcServer,
     RecorderServer,
     extract_code,
@@ -38,7 +41,6 @@ from procs import (
     proc_cpu_s,
     run_workers,
 )
-from workload import STATE_FIELDS, make_pool
 
 MB = 1e6
 
@@ -68,6 +70,10 @@ class Params:
     finish_episodes: int = 20_000
     finish_done_prob: float = 1 / 50
     finish_calls: int = 5  # each side; the median is compared
+    # Pixel rows: N environments with a (T, N, 84, 84) uint8 frame state field (~14.6 MB a
+    # chunk at T=128, N=16); every chunk of a worker distinct.
+    pixel_num_envs: int = 16
+    pixel_chunks: int = 16  # per worker
 
     def quick(self) -> Params:
         return replace(
@@ -80,6 +86,7 @@ class Params:
             repeats=1,
             finish_episodes=3_000,
             finish_calls=1,
+            pixel_chunks=4,
         )
 
 
@@ -103,12 +110,20 @@ class Context:
         print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     def server(
-        self, name: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
-    ) -> RecorderServer:
+        self,
+        name: str,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        *,
+        dashboard: bool = False,
+    ) -> RecorderServer | DashboardServer:
+        """A recorder server with these flags; `dashboard`: also `--http-listen` (a port of
+        its choosing, in `http_address`)."""
         d = self.tmp / name
         d.mkdir(parents=True, exist_ok=True)
         extra = tuple(a.replace("{tmp}", str(d)) for a in extra)
-        return RecorderServer(d / "data", [*extra, *self.serve_args], d / "server.log", env)
+        kind = DashboardServer if dashboard else RecorderServer
+        return kind(d / "data", [*extra, *self.serve_args], d / "server.log", env)
 
     def ray(self) -> Any:
         """Start Ray once per run (num_cpus=2, no dashboard); bench/ on the workers' path."""
@@ -217,19 +232,40 @@ def session_status(address: str, session: str) -> dict[str, int]:
     }
 
 
-def worker_spec(ctx: Context, mode: str, i: int, **extra: Any) -> dict[str, Any]:
+def worker_spec(
+    ctx: Context, mode: str, i: int, *, pixels: bool = False, **extra: Any
+) -> dict[str, Any]:
+    """A worker's JSON spec; `pixels`: the pixel workload's sizes and frames."""
     p = ctx.params
+    sizes: dict[str, Any] = {"chunks": p.ingest_chunks, "pool": p.pool, "num_envs": p.num_envs}
+    if pixels:
+        sizes = {
+            "chunks": p.pixel_chunks,
+            "pool": p.pixel_chunks,
+            "num_envs": p.pixel_num_envs,
+            "frame_size": FRAME_SIZE,
+        }
     return {
         "mode": mode,
         "worker_id": f"w{i}",
         "seed": 1000 + i,
-        "chunks": p.ingest_chunks,
-        "pool": p.pool,
         "length": p.length,
-        "num_envs": p.num_envs,
         "done_prob": p.done_prob,
+        **sizes,
         **extra,
     }
+
+
+@functools.cache
+def serve_has_flag(flag: str) -> bool:
+    """Whether this code's `rollout-recorder serve` takes `flag` (per its --help)."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "recorder_server", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return flag in help_text
 
 
 def aggregate(
@@ -237,6 +273,8 @@ def aggregate(
     results: list[dict[str, Any]],
     go_ns: int,
     machine: dict[str, float] | None = None,
+    *,
+    num_envs: int | None = None,
 ) -> dict[str, Any]:
     """Wall from the first record() of any worker to the last worker's end."""
     p = ctx.params
@@ -245,7 +283,7 @@ def aggregate(
     wall = (end - start) / 1e9
     raw = sum(r["raw_bytes"] for r in results)
     chunks = sum(r["chunks"] for r in results)
-    steps = chunks * p.length * p.num_envs
+    steps = chunks * p.length * (num_envs or p.num_envs)
     wires = [r.get("wire_bytes") for r in results]
     return {
         "workers": len(results),
@@ -490,6 +528,9 @@ def ingest_scenario(
     capture: bool = False,
     idle_streams: int = 0,
     previous_core: bool = False,
+    pixels: bool = False,
+    dashboard: bool = False,
+    references: tuple[tuple[str, str], ...] | None = None,
     rows: Callable[[dict[str, dict[str, Any]]], list[Row]] | None = None,
 ) -> Scenario:
     """`workers` processes record `ingest_chunks` chunks each into one session.
@@ -497,16 +538,30 @@ def ingest_scenario(
     `serve_args` / `serve_env`: extra flags / environment for this scenario's server;
     `compare_to`: another scenario whose MB/s is this row's reference; `idle_streams`:
     that many more workers of the session hold open streams with no data throughout;
-    `previous_core`: the server runs PREVIOUS_CORE's code (the workers this tree's client).
+    `previous_core`: the server runs PREVIOUS_CORE's code (the workers this tree's client);
+    `pixels`: the pixel workload (`Params.pixel_*`, a frames state field); `dashboard`: the
+    server also serves its dashboard (`--http-listen`), polled once a second as an open page
+    would; `references`: (scenario, label) pairs to compare MB/s with (default: the Ray and
+    raw gRPC scenarios of as many workers).
     """
+    if references is None:
+        references = (
+            (f"ray_{workers}w", f"Ray actor + factoriax, {workers}w"),
+            (f"raw_grpc_{workers}w", f"raw gRPC bytes stream, {workers}w"),
+        )
 
     def run(ctx: Context, rep: int) -> dict[str, Any]:
         env = dict(serve_env or {})
         if previous_core:
             env["PYTHONPATH"] = str(ctx.previous_core())
-        server = ctx.server(f"{name}-{rep}", serve_args, env or None)
+        if dashboard and not serve_has_flag("--http-listen"):
+            raise Skipped("this server has no `serve --http-listen` (the dashboard) yet")
+        server = ctx.server(f"{name}-{rep}", serve_args, env or None, dashboard=dashboard)
         holders = None
+        poller = None
         try:
+            if isinstance(server, DashboardServer):
+                poller = DashboardPoller(f"http://{server.http_address}")
             if idle_streams:
                 spec = {
                     "mode": "idle",
@@ -530,20 +585,37 @@ def ingest_scenario(
                     session="ingest",
                     compression_level=compression_level,
                     capture=capture,
+                    pixels=pixels,
                 )
                 for i in range(workers)
             ]
-            results, go_ns, machine = run_workers(specs, ctx.tmp / f"{name}-{rep}")
-            out = aggregate(ctx, results, go_ns, machine)
+            # The page is opened as the workers are released: a poll at the start, then
+            # one a second.
+            results, go_ns, machine = run_workers(
+                specs,
+                ctx.tmp / f"{name}-{rep}",
+                on_ready=None if poller is None else lambda _: poller.start(),
+            )
+            out = aggregate(ctx, results, go_ns, machine, num_envs=specs[0]["num_envs"])
             out["server_cpu_s"] = server.cpu_s() - cpu0
             out["server_idle_vm"] = idle
             out["server_vm"] = server.status()
             out["status"] = session_status(server.address, "ingest")
-            out["serve_args"] = [*serve_args, *ctx.serve_args]
+            http = ("--http-listen", "127.0.0.1:0") if dashboard else ()
+            out["serve_args"] = [*serve_args, *http, *ctx.serve_args]
             out["serve_env"] = env
             out["idle_streams"] = idle_streams
+            out["num_envs"] = specs[0]["num_envs"]
+            if poller is not None:
+                poller.stop()
+                window = (min(r["start_ns"] for r in results), max(r["end_ns"] for r in results))
+                out["dashboard"] = poller.summary(window)
+                if poller.errors:
+                    raise RuntimeError(f"the dashboard did not answer a poll: {poller.errors[0]}")
             return out
         finally:
+            if poller is not None:
+                poller.stop()
             if holders is not None:
                 holders.send("stop")
                 holders.read_json("result", 120)
@@ -555,8 +627,17 @@ def ingest_scenario(
         if not r:
             return []
         label = f"{workers} worker{'s' if workers > 1 else ''}"
+        if pixels:
+            label += f", pixel frames (T, {r.get('num_envs')}, 84, 84) uint8"
         if serve_args:
             label += f", serve {' '.join(serve_args)}"
+        if dashboard:
+            d = r.get("dashboard", {})
+            label += (
+                f", serve --http-listen, dashboard polled once a second "
+                f"({d.get('polls_in_window', 0)} polls in the timed run, "
+                f"{d.get('poll_ms_median') or 0:.1f} ms each)"
+            )
         if serve_env:
             label += ", server env " + " ".join(f"{k}={v}" for k, v in serve_env.items())
         out = []
@@ -575,11 +656,8 @@ def ingest_scenario(
             )
             return out
         refs = [
-            (f"{ref_label}, {workers}w", results[ref_name]["raw_mb_s"])
-            for ref_name, ref_label in (
-                (f"ray_{workers}w", "Ray actor + factoriax"),
-                (f"raw_grpc_{workers}w", "raw gRPC bytes stream"),
-            )
+            (ref_label, results[ref_name]["raw_mb_s"])
+            for ref_name, ref_label in references
             if results.get(ref_name)
         ]
         for ref_label, ref_value in refs or [("(no baseline run)", None)]:
@@ -595,7 +673,8 @@ def ingest_scenario(
                 )
             )
         ours_cpu = r.get("machine", {}).get("ours_cpu_s")
-        other = results.get(f"ray_{workers}w")
+        other_name, other_label = references[0] if references else ("", "")
+        other = results.get(other_name)
         other_cpu = (other or {}).get("machine", {}).get("ours_cpu_s")
         if ours_cpu:
             out.append(
@@ -605,7 +684,7 @@ def ingest_scenario(
                     "involved (less sensitive than wall clock to other jobs on the machine)",
                     r["raw_bytes"] / MB / ours_cpu,
                     other["raw_bytes"] / MB / other_cpu if other_cpu else None,
-                    f"Ray actor + factoriax, {workers}w" if other_cpu else "(no baseline run)",
+                    other_label if other_cpu else "(no baseline run)",
                     "MB/CPU-s",
                     "higher",
                     digits=0,
@@ -742,24 +821,28 @@ def ray_scenario(name: str, *, workers: int) -> Scenario:
     )
 
 
-def raw_scenario(name: str, *, workers: int) -> Scenario:
+def raw_scenario(name: str, *, workers: int, pixels: bool = False) -> Scenario:
     def run(ctx: Context, rep: int) -> dict[str, Any]:
         d = ctx.tmp / f"{name}-{rep}"
         d.mkdir(parents=True, exist_ok=True)
         server = RawGrpcServer(d / "server.log")
         try:
             cpu0 = server.cpu_s()
-            specs = [worker_spec(ctx, "raw", i, target=server.address) for i in range(workers)]
+            specs = [
+                worker_spec(ctx, "raw", i, pixels=pixels, target=server.address)
+                for i in range(workers)
+            ]
             results, go_ns, machine = run_workers(specs, d)
-            out = aggregate(ctx, results, go_ns, machine)
+            out = aggregate(ctx, results, go_ns, machine, num_envs=specs[0]["num_envs"])
             out["server_cpu_s"] = server.cpu_s() - cpu0
             out["server_vm"] = server.status()
             return out
         finally:
             server.stop()
 
+    what = ", pixel workload" if pixels else ""
     return Scenario(
-        name, run, description=f"raw gRPC bytes stream, {workers} workers", repeated=True
+        name, run, description=f"raw gRPC bytes stream, {workers} workers{what}", repeated=True
     )
 
 
@@ -885,8 +968,8 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
     in the measurement, so a few percent are visible. Variants alternate in rounds."""
     import tempfile
 
-    from workload import STATE_FIELDS as FIELDS
-    from workload import store_configuration
+    from chunks import STATE_FIELDS as FIELDS
+    from chunks import store_configuration
 
     from recorder_client._messages import array_to_proto
     from recorder_client._proto import recorder_pb2 as pb
@@ -894,6 +977,7 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
     from recorder_server.metrics import MetricsConfig, MetricsTracker, NullMetrics, WriteGate
     from recorder_server.rpc.convert import chunk_from_proto
     from recorder_server.session import Session
+    from recorder_server.sessions import ServiceLimits
 
     p = ctx.params
     pool = make_pool(p.pool, length=p.length, num_envs=p.num_envs, seed=3, done_prob=p.done_prob)
@@ -925,6 +1009,8 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "store_on": (MetricsTracker, capture),
         }
 
+    limits = ServiceLimits()
+
     def once(make_metrics, cap) -> float:
         metrics = make_metrics()
         config = SessionConfig(None, True, tuple(FIELDS), cap)
@@ -933,7 +1019,7 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
         start = time.process_time()
         for msg in chunks:
             # As the servicer takes a chunk: headers checked at the edge, then the core.
-            session.apply("w", chunk_from_proto(msg, 1 << 31), log=False)
+            session.apply("w", chunk_from_proto(msg, limits), log=False)
         session.drain()
         used = time.process_time() - start
         session.close()
@@ -1011,8 +1097,8 @@ SCENARIOS: list[Scenario] = [
     raw_scenario("raw_grpc_4w", workers=4),
     ray_scenario("ray_1w", workers=1),
     ray_scenario("ray_4w", workers=4),
-    # Issue rows: each compared with ingest_4w (the defaults: no store, metrics on,
-    # write-ahead log with fsync "batch").
+    # Configuration rows: each compared with ingest_4w (the defaults: no store, metrics on,
+    # write-ahead log with fsync "batch"), the dashboard row with ingest_4w_no_metrics.
     ingest_scenario(
         "ingest_4w_store_on",
         workers=4,
@@ -1026,6 +1112,13 @@ SCENARIOS: list[Scenario] = [
         serve_args=("--no-metrics",),
         compare_to="ingest_4w",
         description="ingest, 4 workers, server keeping no metrics",
+    ),
+    ingest_scenario(
+        "ingest_4w_dashboard",
+        workers=4,
+        dashboard=True,
+        compare_to="ingest_4w_no_metrics",
+        description="ingest, 4 workers, metrics on and the dashboard polled once a second",
     ),
     ingest_scenario(
         "ingest_4w_all_sinks",
@@ -1076,6 +1169,16 @@ SCENARIOS: list[Scenario] = [
         rows=rows_previous_core,
         description=f"ingest, 4 workers, into the previous server core ({PREVIOUS_CORE})",
     ),
+    # The pixel workload: a (T, N, 84, 84) uint8 frame state field, against the same bytes
+    # over the raw gRPC stream.
+    ingest_scenario(
+        "ingest_4w_pixels",
+        workers=4,
+        pixels=True,
+        references=(("raw_grpc_4w_pixels", "raw gRPC bytes stream, pixel workload, 4w"),),
+        description="ingest, 4 workers, pixel workload (84x84 uint8 frames)",
+    ),
+    raw_scenario("raw_grpc_4w_pixels", workers=4, pixels=True),
 ]
 
 OPTIONAL_SCENARIOS: list[Scenario] = [
@@ -1087,11 +1190,4 @@ OPTIONAL_SCENARIOS: list[Scenario] = [
         serve_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
         description="ingest, 4 workers, server with a fixed glibc mmap threshold",
     ),
-    # Later rows, once `serve` has the flags (names here are placeholders):
-    # ingest_scenario("ingest_4w_store_off", workers=4, serve_args=("--no-store",),
-    #                 compare_to="ingest_4w"),
-    # ingest_scenario("ingest_4w_metrics_off", workers=4, serve_args=("--no-metrics",),
-    #                 compare_to="ingest_4w"),
-    # ingest_scenario("ingest_4w_wal_fsync_always", workers=4,
-    #                 serve_args=("--wal-fsync", "always"), compare_to="ingest_4w"),
 ]

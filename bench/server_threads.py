@@ -9,7 +9,7 @@ seconds and minor page faults of each server thread during the run (from /proc/P
 the server's page faults per chunk and the machine's busy cores. `--py-spy FILE` also
 records the store-on runs' server with py-spy (raw folded stacks, every thread) into FILE;
 with `--gil`, only the samples of the thread holding the GIL. A diagnostic, not a bench row:
-the numbers quoted in bench/profile_notes.md's store section come from it.
+the store numbers in docs/performance.md come from it.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import traceback
 from typing import Any
 
 import numpy as np
-from workload import STATE_FIELDS, make_pool, store_configuration
+from chunks import STATE_FIELDS, make_pool, store_configuration
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -78,7 +78,7 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
         capture = store_configuration()
     rec = RolloutRecorder(
         record_states=True,
-        state_fields=list(STATE_FIELDS),
+        state_fields=list(pool[0].state_fields),
         capture=capture,
         target=spec["target"],
         session=spec["session"],
@@ -265,6 +265,7 @@ def main() -> int:
                 num_envs=spec.get("num_envs", 256),
                 seed=spec.get("seed", 0),
                 done_prob=spec.get("done_prob", 1 / 500),
+                frame_size=spec.get("frame_size"),
             )
         )
         result = MODES[spec["mode"]](spec, pool)
