@@ -126,16 +126,29 @@ class ServerProcess:
     def _wait_ready(self, timeout: float) -> str:
         stdout = self.process.stdout
         assert stdout is not None
+        # Raw reads and a buffer of our own: lines before the ready one (the dashboard's
+        # address) may arrive in the same read, where a buffered readline would hide the
+        # ready line from select().
+        fd = stdout.fileno()
+        pending = b""
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([stdout], [], [], 0.1)
+            ready, _, _ = select.select([fd], [], [], 0.1)
             if ready:
-                line = stdout.readline()
-                if line.startswith(READY_PREFIX):
-                    return line[len(READY_PREFIX) :].strip()
-                if not line and self.process.poll() is not None:
+                data = os.read(fd, 65536)
+                if not data:  # stdout closed: the child is exiting
+                    try:
+                        self.process.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        pass
                     break
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    text = line.decode("utf-8", errors="replace")
+                    if text.startswith(READY_PREFIX):
+                        return text[len(READY_PREFIX) :].strip()
             elif self.process.poll() is not None:
                 break
         code = self.process.poll()
