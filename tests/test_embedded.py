@@ -71,3 +71,19 @@ def test_exit_without_close_stops_the_server():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert wait_for(lambda: not pid_alive(int(out.stdout.strip())), timeout=10)
+
+
+def test_the_launcher_finds_the_ready_line_after_other_lines(tmp_path):
+    """`serve --http-listen` prints the dashboard's address first; both lines may come in one
+    read, and the launcher must still see the second."""
+    from recorder_client import _launch
+
+    server = _launch.ServerProcess(
+        ["--listen", "127.0.0.1:0", "--data-dir", str(tmp_path), "--no-wal"]
+        + ["--http-listen", "127.0.0.1:0"],
+        startup_timeout=20,
+    )
+    try:
+        assert server.address.startswith("127.0.0.1:")
+    finally:
+        assert server.stop() == 0
