@@ -276,9 +276,8 @@ class DashboardServer(Child):
     """`rollout-recorder serve --listen 127.0.0.1:0 --http-listen 127.0.0.1:0` plus any extra
     flags: `address` (gRPC) and `http_address` (the dashboard), both read from its stdout.
 
-    Not started through the project's launcher (`RecorderServer`): it waits for the ready line
-    with select() on a buffered pipe, and the dashboard's line, printed just before, can leave
-    the ready line unseen in the buffer until the launcher's timeout.
+    A child of its own rather than the project's launcher (`RecorderServer`), which keeps only
+    the gRPC address: this one reads the dashboard's line as well.
     """
 
     def __init__(

@@ -382,6 +382,20 @@ class CheckpointFile:
     """Where the payload was written, when on disk."""
 
 
+# The archive table's columns besides the cell-key fields and the utilities, in this order.
+ARCHIVE_COLUMNS = (
+    "visits",
+    "times_chosen",
+    "first_seen_step",
+    "best_return",
+    "best_length",
+    "best_trajectory_id",
+    "best_step",
+    "midpoint_starts",
+    "selection_probability",
+)
+
+
 @dataclass(frozen=True, eq=False)
 class ArchiveColumns:
     """The trajectory store's cell archive as numpy columns (``recorder.capture.archive()``).
@@ -454,17 +468,7 @@ class ArchiveColumns:
     def columns(self) -> dict[str, Any]:
         """Every column under the server's names (``cell:<name>``, ``utility:<name>``, ...)."""
         out = {f"cell:{n}": self.cells[n] for n in self.key_names}
-        for name in (
-            "visits",
-            "times_chosen",
-            "first_seen_step",
-            "best_return",
-            "best_length",
-            "best_trajectory_id",
-            "best_step",
-            "midpoint_starts",
-            "selection_probability",
-        ):
+        for name in ARCHIVE_COLUMNS:
             out[name] = getattr(self, name)
         out.update({f"utility:{n}": v for n, v in self.utilities.items()})
         return out

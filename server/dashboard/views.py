@@ -17,19 +17,6 @@ from recorder_client.status import SessionStatus
 
 from .sampler import Sample, history, session_values, worker_values
 
-# The columns of the archive table that are not cell-key fields or utilities, in page order.
-ARCHIVE_COLUMNS = (
-    "visits",
-    "times_chosen",
-    "first_seen_step",
-    "best_return",
-    "best_length",
-    "best_trajectory_id",
-    "best_step",
-    "midpoint_starts",
-    "selection_probability",
-)
-
 
 def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
