@@ -1097,6 +1097,7 @@ SCENARIOS: list[Scenario] = [
     raw_scenario("raw_grpc_4w", workers=4),
     ray_scenario("ray_1w", workers=1),
     ray_scenario("ray_4w", workers=4),
+    ray_scenario("ray_8w", workers=8),
     # Configuration rows: each compared with ingest_4w (the defaults: no store, metrics on,
     # write-ahead log with fsync "batch"), the dashboard row with ingest_4w_no_metrics.
     ingest_scenario(
