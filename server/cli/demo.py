@@ -44,11 +44,12 @@ def run_worker(args: argparse.Namespace) -> int:
             stats = recorder.stats
     except (RecorderError, ValueError) as exc:  # unreachable, refused, unusable credentials
         return fail("demo-worker", str(exc))
-    print(
+    # One write per line: the demo's workers share its stdout.
+    sys.stdout.write(
         f"worker {args.worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
-        f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s",
-        flush=True,
+        f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s\n"
     )
+    sys.stdout.flush()
     return 0
 
 
