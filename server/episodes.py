@@ -246,7 +246,9 @@ def assemble(
     per: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     total = 0
     metas = []
-    for tl in timelines:
+    # Workers are numbered by their place in `timelines` (join order): a forgotten worker's
+    # index leaves a gap in `tl.index`, never in the result.
+    for position, tl in enumerate(timelines):
         if not tl.chunks:
             continue
         env, start, end, done = tl.episodes(pad_incomplete)
@@ -256,7 +258,7 @@ def assemble(
         rows = np.arange(total, total + env.size, dtype=np.int64)
         total += env.size
         per.append((list(tl.chunks), rows, env, start, end))
-        metas.append((tl.index, env, start, end, done))
+        metas.append((position, env, start, end, done))
     if total == 0:
         raise NoEpisodesError(NO_EPISODES_MESSAGE)
     lengths = np.concatenate([m[3] - m[2] for m in metas])

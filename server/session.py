@@ -275,7 +275,9 @@ class Session:
         """Take one chunk of a worker. With a journal, the chunk is in the write-ahead log
         before anything changes (log=False when replaying that log)."""
         timeline = self.worker(worker_id)
-        lock = self._worker_locks.get(worker_id) or threading.Lock()
+        lock = self._worker_locks.get(worker_id)
+        if lock is None:  # forgotten since the lookup
+            raise self._not_joined(worker_id)
         with lock:
             if self.dropped:
                 raise RequestError(ErrorKind.UNKNOWN_SESSION, f"session: {self.name!r} was dropped")

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, NoReturn, TypeVar
 
 import grpc
-import numpy as np
 
 from recorder_client import _wire
 from recorder_client._proto import recorder_pb2 as pb
@@ -158,16 +157,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
 
     def _finish_parts(self, request: pb.FinishRequest):
         session = self.sessions.get(request.session)
-        with session.lock:
+        with session.lock:  # the ids as the plan numbers them
             plan = session.assemble(request.pad_incomplete)
-            # Worker indexes have gaps where workers were forgotten: the result numbers
-            # its workers 0, 1, 2, ... in join order.
-            indexes = [tl.index for tl in session.workers.values()]
             worker_ids = list(session.workers)
-        if indexes != list(range(len(indexes))):
-            lookup = np.zeros(max(indexes) + 1, dtype=np.int64)
-            lookup[indexes] = np.arange(len(indexes))
-            plan.workers = lookup[plan.workers]
         yield convert.finish_header(plan, worker_ids)
         part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         for index, spec in enumerate(plan.fields):
