@@ -4,11 +4,11 @@ idle sessions and expires idle workers (--session-ttl, --worker-ttl)."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from .durability import Durability
 from .errors import ErrorKind, RequestError
+from .periodic import Periodic
 from .sessions import Sessions
 
 logger = logging.getLogger(__name__)
@@ -18,8 +18,7 @@ class Lifecycle:
     def __init__(self, sessions: Sessions, durability: Durability | None) -> None:
         self.sessions = sessions
         self.durability = durability
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._sweeper: Periodic | None = None
 
     def drop(self, name: str) -> None:
         """Drop a session: its memory now, its log records and checkpoint entries once the
@@ -63,19 +62,8 @@ class Lifecycle:
         ttls = [t for t in (limits.session_ttl_s, limits.worker_ttl_s) if t > 0]
         if not ttls:
             return
-        every = min(30.0, max(0.2, min(ttls) / 4))
-
-        def loop() -> None:
-            while not self._stop.wait(every):
-                try:
-                    self.sweep()
-                except Exception:  # the sweep must outlive any one failure
-                    logger.exception("session sweep failed")
-
-        self._thread = threading.Thread(target=loop, name="session-sweep", daemon=True)
-        self._thread.start()
+        self._sweeper = Periodic(min(30.0, max(0.2, min(ttls) / 4)), self.sweep, "session sweep")
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._sweeper is not None:
+            self._sweeper.stop(10)

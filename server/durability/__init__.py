@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..periodic import Periodic
 from . import snapshot
 from .checkpoint import CheckpointDirectory
 from .wal import WriteAheadLog, replay
@@ -98,8 +99,7 @@ class Durability:
         self.root = Path(data_dir)
         self.checkpoints = CheckpointDirectory(self.root / "checkpoints")
         self.wal: WriteAheadLog | None = None
-        self._timer: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._timer: Periodic | None = None
         self._checkpoint_lock = threading.Lock()
 
     # -- recovery ----------------------------------------------------------
@@ -195,22 +195,17 @@ class Durability:
         if every <= 0:
             return
 
-        def loop() -> None:
-            while not self._stop.wait(every):
-                try:
-                    self.checkpoint(sessions)
-                except OSError as exc:
-                    logger.error("timed checkpoint failed: %s", exc)
-                except Exception:  # the timer must outlive any one bad checkpoint
-                    logger.exception("timed checkpoint failed")
+        def checkpoint() -> None:
+            try:
+                self.checkpoint(sessions)
+            except OSError as exc:  # a full disk, say: one line, not a traceback
+                logger.error("timed checkpoint failed: %s", exc)
 
-        self._timer = threading.Thread(target=loop, name="checkpointer", daemon=True)
-        self._timer.start()
+        self._timer = Periodic(every, checkpoint, "timed checkpoint")
 
     def close(self) -> None:
-        self._stop.set()
         if self._timer is not None:
-            self._timer.join(timeout=30)
+            self._timer.stop(30)
         if self.wal is not None:
             self.wal.close()
 

@@ -69,6 +69,7 @@ from typing import Self
 import numpy as np
 
 from ..extras import require
+from ..periodic import Periodic
 from . import catalog
 from .sinks import (
     JsonlSink,
@@ -368,15 +369,11 @@ class MetricsTracker:
                 s.sink.close()
             raise
         self._push: tuple[_GatedSink, ...] = tuple(sinks)
-        self._stop = threading.Event()
-        self._timer: threading.Thread | None = None
+        self._timer: Periodic | None = None
         if self._push and clock is time.monotonic:
             intervals = [s.min_interval or self.config.idle_flush_s for s in self._push]
             tick = max(0.01, min(0.05, min(intervals) / 10))
-            self._timer = threading.Thread(
-                target=self._idle_loop, args=(tick,), name="metrics-idle-flush", daemon=True
-            )
-            self._timer.start()
+            self._timer = Periodic(tick, self.flush_idle, "metrics idle flush")
 
     # ------------------------------------------------------------------ properties
 
@@ -620,9 +617,8 @@ class MetricsTracker:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
         if self._timer is not None:
-            self._timer.join(timeout=5.0)
+            self._timer.stop(5.0)
         try:
             self.flush()
         finally:
@@ -659,13 +655,6 @@ class MetricsTracker:
                     due.append(s)
         if due:
             self._write(due)
-
-    def _idle_loop(self, tick: float) -> None:
-        while not self._stop.wait(tick):
-            try:
-                self.flush_idle()
-            except Exception:  # the timer must outlive a bad write
-                logger.exception("metrics idle flush failed")
 
     def __enter__(self) -> Self:
         return self
