@@ -272,13 +272,9 @@ class RecorderServer(ServerProcess, Watched):
             self._log.close()
 
 
-class DashboardServer(Child):
-    """`rollout-recorder serve --listen 127.0.0.1:0 --http-listen 127.0.0.1:0` plus any extra
-    flags: `address` (gRPC) and `http_address` (the dashboard), both read from its stdout.
-
-    A child of its own rather than the project's launcher (`RecorderServer`), which keeps only
-    the gRPC address: this one reads the dashboard's line as well.
-    """
+class DashboardServer(RecorderServer):
+    """`RecorderServer` with `--http-listen 127.0.0.1:0`: `http_address` is the dashboard's,
+    from the line the server prints before it listens."""
 
     def __init__(
         self,
@@ -287,18 +283,13 @@ class DashboardServer(Child):
         log_path: Path,
         env: dict[str, str] | None = None,
     ) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
-        argv += ["--data-dir", str(data_dir), "--http-listen", "127.0.0.1:0", *extra_args]
-        super().__init__(argv, log_path=log_path, env={**os.environ, **env} if env else None)
-        try:
-            line = self.read_line(60, prefix="rollout-recorder dashboard at ")
-            self.http_address = line.rsplit(" ", 1)[1].removeprefix("http://").rstrip("/")
-            line = self.read_line(60, prefix="rollout-recorder listening on ")
-            self.address = line.rsplit(" ", 1)[1].strip()
-        except BaseException:
+        super().__init__(data_dir, ["--http-listen", "127.0.0.1:0", *extra_args], log_path, env)
+        prefix = "rollout-recorder dashboard at "
+        line = next((line for line in self.preamble if line.startswith(prefix)), None)
+        if line is None:
             self.stop()
-            raise
+            raise RuntimeError(f"the server printed no dashboard address: {self.preamble}")
+        self.http_address = line[len(prefix) :].strip().removeprefix("http://").rstrip("/")
 
 
 class RawGrpcServer(Child):

@@ -131,6 +131,7 @@ class ServerProcess:
         # ready line from select().
         fd = stdout.fileno()
         pending = b""
+        self.preamble: list[str] = []  # lines before the ready one
         started = time.monotonic()
         deadline = started + timeout
         while time.monotonic() < deadline:
@@ -149,6 +150,7 @@ class ServerProcess:
                     text = line.decode("utf-8", errors="replace")
                     if text.startswith(READY_PREFIX):
                         return text[len(READY_PREFIX) :].strip()
+                    self.preamble.append(text)
             elif self.process.poll() is not None:
                 break
         code = self.process.poll()
