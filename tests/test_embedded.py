@@ -85,8 +85,6 @@ def test_the_launcher_finds_the_ready_line_after_other_lines(tmp_path):
     )
     try:
         assert server.address.startswith("127.0.0.1:")
-        assert [line.split(" at ")[0] for line in server.preamble] == [
-            "rollout-recorder dashboard"
-        ]
+        assert [line.split(" at ")[0] for line in server.preamble] == ["rollout-recorder dashboard"]
     finally:
         assert server.stop() == 0
