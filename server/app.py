@@ -17,6 +17,7 @@ import grpc
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .dashboard import Dashboard
+from .dataset.sink import DatasetOptions, DatasetSink
 from .durability import Durability, DurabilityOptions, RecoveryReport
 from .lifecycle import Lifecycle
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
@@ -73,6 +74,8 @@ class ServerOptions:
     """PEM CA that client certificates must chain to (mutual TLS; needs tls_cert)."""
     durability: DurabilityOptions = field(default_factory=DurabilityOptions)
     """Write-ahead log, checkpoints and recovery in data_dir."""
+    dataset: DatasetOptions | None = None
+    """Write every finished episode to a Parquet dataset (serve --dataset-uri); None: no."""
 
 
 class RunningServer:
@@ -95,6 +98,7 @@ class RunningServer:
         durability: Durability | None = None,
         recovery: RecoveryReport | None = None,
         lifecycle: Lifecycle | None = None,
+        dataset: DatasetSink | None = None,
     ) -> None:
         self._loop = loop
         self._thread = thread
@@ -110,6 +114,7 @@ class RunningServer:
         self.durability = durability
         self.recovery = recovery
         self.lifecycle = lifecycle
+        self.dataset = dataset
         self._pools = pools
         self._stopped = False
 
@@ -135,6 +140,8 @@ class RunningServer:
             if self.lifecycle is not None:
                 self.lifecycle.close()
             try:
+                if self.dataset is not None:
+                    self.dataset.close()  # before the last checkpoint: it holds the cursor
                 if self.durability is not None:
                     if checkpoint:
                         try:
@@ -191,6 +198,8 @@ def start_server(options: ServerOptions) -> RunningServer:
         sessions = Sessions(
             options.limits, metrics, None if durability is None else durability.journal
         )
+        if options.dataset is not None:
+            sessions.dataset = DatasetSink(options.dataset, sessions, metrics)
         lifecycle = Lifecycle(sessions, durability)
         if options.http_listen:  # before gRPC: a port taken fails the start with nothing running
             host, _, port = options.http_listen.rpartition(":")
@@ -235,6 +244,7 @@ def start_server(options: ServerOptions) -> RunningServer:
         durability=durability,
         recovery=recovery,
         lifecycle=lifecycle,
+        dataset=sessions.dataset,
     )
 
 
@@ -283,6 +293,8 @@ async def _serve(
         for line in recovery.lines():
             logger.log(level, "recovery: %s", line)
         durability.start_timer(sessions)
+    if sessions.dataset is not None:
+        sessions.dataset.start()
     lifecycle.start()
     await server.start()
     if health is not None:

@@ -26,6 +26,9 @@ class StoredChunk:
     length: int
     arrays: dict[str, EncodedArray]  # "action", "reward", "done", "state:<name>"
     wire_bytes: int
+    outcome: EncodedArray | None = None
+    """The (T, N) outcome codes as sent, when the chunk had them (the dataset sink reads
+    them; finish() does not)."""
 
     def spans(self, start: int, end: int) -> bool:
         """Whether any of steps start..end-1 lie in this chunk."""
@@ -44,7 +47,11 @@ class EpisodeTable:
         if not self.env:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return np.concatenate(self.env), np.concatenate(self.start), np.concatenate(self.end)
+        if len(self.env) > 1:  # joined once: the next call starts from one array per column
+            self.env = [np.concatenate(self.env)]
+            self.start = [np.concatenate(self.start)]
+            self.end = [np.concatenate(self.end)]
+        return self.env[0], self.start[0], self.end[0]
 
 
 class WorkerTimeline:
@@ -71,7 +78,11 @@ class WorkerTimeline:
         self.chunks_dropped = 0
 
     def add_chunk(
-        self, dones: np.ndarray, arrays: dict[str, EncodedArray], wire_bytes: int
+        self,
+        dones: np.ndarray,
+        arrays: dict[str, EncodedArray],
+        wire_bytes: int,
+        outcome: EncodedArray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Store a validated chunk and split it at its done flags.
 
@@ -102,7 +113,7 @@ class WorkerTimeline:
             self.table.env.append(env)
             self.table.start.append(start)
             self.table.end.append(end)
-        self.chunks.append(StoredChunk(t0, length, arrays, wire_bytes))
+        self.chunks.append(StoredChunk(t0, length, arrays, wire_bytes, outcome))
         self.t_total += length
         self.episodes_finished += int(end.size)
         self.raw_bytes += sum(a.nbytes for a in arrays.values())

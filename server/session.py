@@ -19,6 +19,7 @@ from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReferen
 from recorder_client.status import SessionStatus, WorkerStatus
 
 from .chunks import Chunk, Schema, SessionConfig, SubmittedEpisode, check_schema, decode_chunk
+from .dataset.cursor import DatasetCursor
 from .durability import records
 from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .episodes import Assembly, NoEpisodesError, WorkerTimeline, assemble
@@ -131,6 +132,12 @@ class Session:
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
         self.feeder = EpisodeFeeder(name, self.processor, metrics, queue_chunks=32)
+        self.dataset = DatasetCursor()
+        # Taken before self.lock by whatever writes this session's dataset (one at a time).
+        self.dataset_lock = threading.Lock()
+        # Called with the session lock held before a logged reset clears the chunks (the
+        # dataset sink writes every finished episode first); None without a sink.
+        self.before_reset: Callable[[Session], None] | None = None
         self.clear_counters()
 
     def clear_counters(self) -> None:
@@ -322,7 +329,9 @@ class Session:
                             "affected, and the chunk is taken once space is freed",
                         ) from None
                 stored = {k: a for k, a in chunk.arrays.items() if k != "outcome"}
-                env, start, end = timeline.add_chunk(decoded.dones, stored, chunk.wire_bytes)
+                env, start, end = timeline.add_chunk(
+                    decoded.dones, stored, chunk.wire_bytes, chunk.arrays.get("outcome")
+                )
                 if self.schema is None:
                     self.schema = decoded.schema
                 self.done_count += int(env.size)
@@ -387,9 +396,12 @@ class Session:
 
     def reset(self, *, log: bool = True) -> None:
         """Drop every stored chunk and the counters; the configuration and workers stay."""
-        with self.lock:
+        with self.dataset_lock, self.lock:
+            if log and self.before_reset is not None:
+                self.before_reset(self)
             if log and self.journal is not None:
                 self._journal(records.reset(self.name))
+            self.dataset.reset()
             self.touch()
             self.feeder.reset()
             if self.processor.store is not None:

@@ -62,15 +62,20 @@ class Sessions:
         self.journal = journal
         self._sessions: dict[str, Session] = {}
         self._lock = threading.RLock()
+        # The dataset sink (serve --dataset-uri), or None.
+        self.dataset: Any = None
 
     def _new(self, name: str, config: SessionConfig) -> Session:
-        return Session(
+        session = Session(
             name,
             config,
             self.metrics,
             max_workers=self.limits.max_workers_per_session,
             journal=self.journal,
         )
+        if self.dataset is not None:
+            session.before_reset = self.dataset.flush_now
+        return session
 
     def join(
         self,
@@ -127,6 +132,19 @@ class Sessions:
 
     def drop(self, name: str, *, log: bool = True) -> None:
         """Forget a session and everything it holds (logged; the caller checkpoints)."""
+        session = self.get(name)
+        if log and self.dataset is not None:
+            # Every finished episode reaches the dataset before the session goes: no chunk is
+            # taken from here on, and a failed write keeps the session as it was.
+            with session.dataset_lock:
+                with session.lock:
+                    session.dropped = True
+                try:
+                    self.dataset.flush_now(session)
+                except BaseException:
+                    with session.lock:
+                        session.dropped = False
+                    raise
         with self._lock:
             session = self.get(name)
             with session.lock:
@@ -223,6 +241,10 @@ class Sessions:
                 self.get(record.session).reset(log=False)
             elif record.kind == records.EPISODE:
                 self.get(record.session).submit_episode(record.body, log=False)
+            elif record.kind == records.DATASET_WRITE:
+                self.get(record.session).dataset.intent(record.body)
+            elif record.kind == records.DATASET_COMMIT:
+                self.get(record.session).dataset.commit(record.body)
         except RequestError as err:
             logger.warning("log record for session %r not replayed: %s", record.session, err)
 

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from ..app import DEFAULT_LISTEN, ServerOptions, start_server
+from ..dataset.sink import DatasetOptions, default_node_id
 from ..durability import DurabilityOptions
 from ..durability.wal import WALError
 from ..metrics import MetricsConfig, WriteGate
@@ -77,10 +78,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             checkpoint_every_s=args.checkpoint_every,
             keep=args.keep_checkpoints,
         ),
+        dataset=None
+        if args.dataset_uri is None
+        else DatasetOptions(
+            uri=args.dataset_uri,
+            node_id=args.node_id or default_node_id(),
+            flush_seconds=args.dataset_flush_seconds,
+            file_bytes=int(args.dataset_file_mib * (1 << 20)),
+        ),
     )
     try:
         running = start_server(options)
-    except (OSError, ValueError, WALError) as exc:
+    except (OSError, ValueError, ImportError, WALError) as exc:
         print(f"rollout-recorder: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -100,12 +109,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target=running.stop, kwargs={"grace": args.grace}, name="stop", daemon=True
     )
     stopper.start()
-    stopper.join(args.grace + STOP_DEADLINE_S)
+    deadline = args.grace + STOP_DEADLINE_S
+    if options.dataset is not None:
+        deadline += options.dataset.stop_timeout
+    stopper.join(deadline)
     if stopper.is_alive():
         logger.error(
             "stop did not finish within %.0f s; exiting (the write-ahead log holds every "
             "acknowledged chunk)",
-            args.grace + STOP_DEADLINE_S,
+            deadline,
         )
         logging.shutdown()
         os._exit(1)
@@ -206,6 +218,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--grace", type=float, default=5.0, help="seconds to drain on stop")
     serve.add_argument(
         "--exit-with-stdin", action="store_true", help="stop when stdin closes (embedded mode)"
+    )
+    data = serve.add_argument_group("episode dataset")
+    data.add_argument(
+        "--dataset-uri",
+        metavar="URI",
+        help="write every finished episode to Parquet files here: a path, file://, "
+        "s3://bucket/prefix (AWS_* environment variables, AWS_ENDPOINT_URL included) or any "
+        "fsspec URL; needs rollout-recorder[dataset]",
+    )
+    data.add_argument(
+        "--node-id",
+        metavar="ID",
+        help="this sidecar's prefix in episode ids and file names, unique among the sidecars "
+        "writing one dataset; default: the hostname",
+    )
+    data.add_argument(
+        "--dataset-flush-seconds",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest a finished episode waits to be written; default %(default)s",
+    )
+    data.add_argument(
+        "--dataset-file-mib",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="raw episode bytes per file (a full file is written without waiting); "
+        "default %(default)s",
     )
     durable = serve.add_argument_group("durability")
     durable.add_argument(

@@ -2,11 +2,13 @@
 
 Record layout (integers little-endian)::
 
-    kind (1 byte: J join, C chunk, R reset, E episode, L leave, D drop) | session length uint16
+    kind (1 byte: J join, C chunk, R reset, E episode, L leave, D drop, W dataset write,
+    K dataset commit) | session length uint16
     | worker length uint16 | session (UTF-8) | worker (UTF-8) | payload
 
 Payloads: a join carries the session configuration and the client's acknowledged sequence as
-JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
+JSON; a dataset write its intent as JSON (file number, generation, rows per worker); a dataset
+commit the file number as JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
 episode a uint32 header length, a JSON header (the arrays' keys, dtypes, shapes, codecs and
 sizes, plus the sequence or the episode's step, outcome, data and start reference) and the
 arrays' bytes as they arrived, back to back. A record is a list of buffers, written without
@@ -24,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..chunks import Chunk, EncodedArray, SessionConfig, SubmittedEpisode, encoded_array
+from ..dataset.cursor import Intent
 
 JOIN = b"J"
 CHUNK = b"C"
@@ -31,7 +34,9 @@ RESET = b"R"
 EPISODE = b"E"
 LEAVE = b"L"
 DROP = b"D"
-_KINDS = (JOIN, CHUNK, RESET, EPISODE, LEAVE, DROP)
+DATASET_WRITE = b"W"
+DATASET_COMMIT = b"K"
+_KINDS = (JOIN, CHUNK, RESET, EPISODE, LEAVE, DROP, DATASET_WRITE, DATASET_COMMIT)
 _NAMES = struct.Struct("<HH")
 _HEADER = struct.Struct("<I")
 # Arrays in the log were checked when they arrived.
@@ -44,7 +49,8 @@ class Record:
     session: str
     worker: str
     body: Any
-    """Join, Chunk, SubmittedEpisode, "expired" or "" (leave), or None (reset, drop)."""
+    """Join, Chunk, SubmittedEpisode, Intent (dataset write), a file number (dataset commit),
+    "expired" or "" (leave), or None (reset, drop)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,14 @@ def leave(session: str, worker: str, *, expired: bool = False) -> list:
 
 def drop(session: str) -> list:
     return [_prefix(DROP, session, "")]
+
+
+def dataset_write(session: str, intent: Intent) -> list:
+    return [_prefix(DATASET_WRITE, session, ""), json.dumps(intent.to_dict()).encode()]
+
+
+def dataset_commit(session: str, seq: int) -> list:
+    return [_prefix(DATASET_COMMIT, session, ""), json.dumps({"seq": seq}).encode()]
 
 
 def chunk(session: str, worker: str, value: Chunk) -> list:
@@ -135,6 +149,13 @@ def decode(data: bytes | memoryview) -> Record:
         body = Join(SessionConfig.from_dict(data["config"]), int(data["acked"]))
     elif kind == LEAVE:
         body = bytes(payload).decode()
+    elif kind == DATASET_WRITE:
+        body = Intent.from_dict(json.loads(bytes(payload)))
+    elif kind == DATASET_COMMIT:
+        seq = json.loads(bytes(payload))["seq"]
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise ValueError(f"log record: dataset commit of file {seq!r}")
+        body = seq
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
         body = Chunk(int(header["sequence"]), arrays)

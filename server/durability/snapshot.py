@@ -30,6 +30,7 @@ from ..chunks import (
     check_size,
     encoded_array,
 )
+from ..dataset.cursor import DatasetCursor
 from ..episodes import EpisodeTable, StoredChunk
 from ..errors import RequestError
 
@@ -109,9 +110,15 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
                 }
                 for key, a in c.arrays.items()
             }
-            chunks.append(
-                {"t0": c.t0, "length": c.length, "wire_bytes": c.wire_bytes, "arrays": arrays}
-            )
+            saved = {"t0": c.t0, "length": c.length, "wire_bytes": c.wire_bytes, "arrays": arrays}
+            if c.outcome is not None:
+                saved["outcome"] = {
+                    "dtype": c.outcome.dtype.str,
+                    "shape": list(c.outcome.shape),
+                    "codec": c.outcome.codec,
+                    "blob": blobs.add(memoryview(c.outcome.data)),
+                }
+            chunks.append(saved)
         env, start, end = tl.table.arrays()
         entry = {
             "id": worker_id,
@@ -163,6 +170,7 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
         },
         "capture_runtime": session.processor.runtime_state_dict(),
         "store": store_blob,
+        "dataset": session.dataset.state(),
     }
     return meta, blobs.items
 
@@ -442,7 +450,17 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
                     f"its arrays), got t0={shown(c['t0'])} and length={shown(c['length'])}"
                 )
             _check_chunk(arrays, where, length, n, schema)
-            tl.chunks.append(StoredChunk(t, length, arrays, _count(c["wire_bytes"], "wire_bytes")))
+            outcome = None
+            if "outcome" in c:
+                outcome = _chunk_arrays({"arrays": {"outcome": c["outcome"]}}, blobs, where, limits)
+                outcome = outcome["outcome"]
+                if list(outcome.shape) != [length, n] or outcome.dtype.kind not in "iu":
+                    raise SnapshotError(
+                        f"{where}.outcome: expected integer codes of shape {[length, n]}, got "
+                        f"{outcome.dtype} {list(outcome.shape)}"
+                    )
+            wire = _count(c["wire_bytes"], "wire_bytes")
+            tl.chunks.append(StoredChunk(t, length, arrays, wire, outcome))
             t += length
         if _count(entry["t_total"], "t_total") != t:
             raise SnapshotError(
@@ -500,6 +518,11 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         except ValueError as exc:
             raise SnapshotError(f"state.store: {exc}") from None
     session.feeder.restore(tails, list(session.workers.values()))
+    if "dataset" in meta:  # a state from before the dataset sink has none
+        try:
+            session.dataset = DatasetCursor.from_state(meta["dataset"])
+        except ValueError as exc:
+            raise SnapshotError(f"state.dataset: {exc}") from None
 
 
 def _feeder(spec: Any, blobs: list[memoryview], what: str, n: int | None) -> dict[str, np.ndarray]:

@@ -58,6 +58,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Recorder/worker_lag_seconds", GAUGE, "Seconds since the worker last joined or sent.", _SW
     ),
     MetricSpec("Recorder/held_wire_bytes", GAUGE, "Wire bytes of the chunks the session holds."),
+    # -- dataset sink (serve --dataset-uri)
+    MetricSpec("Recorder/dataset_files_written", COUNTER, "Episode files written whole."),
+    MetricSpec("Recorder/dataset_episodes_written", COUNTER, "Episodes written to the dataset."),
+    MetricSpec("Recorder/dataset_steps_written", COUNTER, "Steps (rows) written to the dataset."),
+    MetricSpec("Recorder/dataset_bytes_written", COUNTER, "Parquet bytes written to the dataset."),
+    MetricSpec(
+        "Recorder/dataset_write_failures",
+        COUNTER,
+        "Dataset writes that failed (each retried with backoff; nothing is lost).",
+    ),
+    MetricSpec(
+        "Recorder/dataset_pending_episodes",
+        GAUGE,
+        "Finished episodes not yet in the dataset, after the latest flush.",
+    ),
     # -- episodes
     MetricSpec(
         "Episode/return",

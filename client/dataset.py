@@ -1,0 +1,239 @@
+"""Episode datasets: the Parquet files a server writes with ``serve --dataset-uri``, read back.
+
+Layout (one row per step, partitioned by session)::
+
+    URI/_dataset.json                              format, layout version, column meanings
+    URI/session=NAME/_session.json                 dtypes, trailing shapes, configuration
+    URI/session=NAME/part-NODE-gG-SEQ.parquet      finished episodes, whole files
+
+Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique across sidecars),
+``node``, ``generation`` (resets of the session so far), ``worker`` (its id), ``worker_index``
+(its place in join order on that node), ``env``, ``start`` (the episode's first step on the
+worker's time axis), ``step`` (within the episode), ``action``, ``reward`` (float32, as
+finish() returns it), ``done`` (true on an episode's last step), ``outcome`` (the episode's
+outcome code, on every row) and one column per recorded state field under its trajectory name.
+A field with trailing dimensions is a fixed-size list of the flattened step; each file's
+Parquet metadata (``rollout_recorder``) holds the dtypes and shapes to restore. Names starting
+with ``_`` are skipped by Parquet readers (Arrow, Spark, DuckDB globs of ``*.parquet``).
+
+pyarrow and fsspec are imported on first use (``pip install 'rollout-recorder[dataset]'``;
+s3fs for ``s3://``). S3 settings come from the standard AWS environment variables, the
+endpoint (``AWS_ENDPOINT_URL``) included.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from ._wire import trajectory_name
+from .trajectory import Trajectory
+
+LAYOUT_VERSION = 1
+METADATA_KEY = b"rollout_recorder"
+PARTITION = "session"
+DATASET_FILE = "_dataset.json"
+SESSION_FILE = "_session.json"
+
+# Every column the layout defines besides the state fields, in file order.
+FIXED_COLUMNS = (
+    "episode_id",
+    "node",
+    "generation",
+    "worker",
+    "worker_index",
+    "env",
+    "start",
+    "step",
+    "action",
+    "reward",
+    "done",
+    "outcome",
+)
+_ORDER = ("node", "generation", "worker_index", "env", "start", "step")
+
+
+def state_column(state_field: str) -> str:
+    """The column of a state field: its trajectory name, unless the layout already uses it."""
+    name = trajectory_name(state_field)
+    return f"state_{name}" if name in FIXED_COLUMNS or name == PARTITION else name
+
+
+def _require() -> tuple[Any, Any, Any]:
+    try:
+        import fsspec
+        import pyarrow
+        import pyarrow.dataset
+    except ImportError as exc:
+        raise ImportError(
+            "episode datasets need pyarrow and fsspec: pip install 'rollout-recorder[dataset]' "
+            f"(and s3fs for s3:// URIs): {exc}"
+        ) from exc
+    return fsspec, pyarrow, pyarrow.dataset
+
+
+def filesystem(uri: str, storage_options: dict | None = None) -> tuple[Any, str]:
+    """The fsspec filesystem of ``uri`` and the dataset's root path on it."""
+    fsspec, _, _ = _require()
+    fs, root = fsspec.core.url_to_fs(str(uri), **(storage_options or {}))
+    return fs, root.rstrip("/") or root
+
+
+def episode_files(fs: Any, root: str) -> list[str]:
+    """Every committed episode file under ``root`` (partial and hidden files excluded)."""
+    if not fs.exists(root):
+        return []
+    found = []
+    for path in fs.find(root):
+        rel = path[len(root) :].lstrip("/") if path.startswith(root) else path
+        parts = rel.split("/")
+        if path.endswith(".parquet") and not any(p.startswith(("_", ".")) for p in parts):
+            found.append(path)
+    return sorted(found)
+
+
+def open_dataset(uri: str, *, storage_options: dict | None = None) -> Any:
+    """The episodes under ``uri`` as a ``pyarrow.dataset.Dataset`` (``session`` is a column).
+
+    Raises FileNotFoundError when no episode file is there yet."""
+    _, pa, ds = _require()
+    fs, root = filesystem(uri, storage_options)
+    files = episode_files(fs, root)
+    if not files:
+        raise FileNotFoundError(
+            f"{uri}: no episode files (expected {PARTITION}=NAME/part-*.parquet, written by "
+            "serve --dataset-uri or rollout-recorder export)"
+        )
+    # One schema per session directory: sessions may record different state fields.
+    first: dict[str, str] = {}
+    for path in files:
+        first.setdefault(path.rsplit("/", 1)[0], path)
+    schemas = [ds.dataset(p, filesystem=fs, format="parquet").schema for p in first.values()]
+    partitioning = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
+    return ds.dataset(
+        files,
+        schema=pa.unify_schemas([*schemas, pa.schema([(PARTITION, pa.string())])]),
+        filesystem=fs,
+        format="parquet",
+        partitioning=partitioning,
+        partition_base_dir=root,
+    )
+
+
+def file_metadata(schema: Any) -> dict[str, Any]:
+    """The layout description an episode file carries in its Parquet metadata."""
+    raw = (schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ValueError(f"not an episode file of this layout: no {METADATA_KEY.decode()!r} key")
+    meta = json.loads(raw)
+    if meta.get("layout") != LAYOUT_VERSION:
+        raise ValueError(
+            f"episode file layout: expected version {LAYOUT_VERSION}, got {meta.get('layout')!r}"
+        )
+    return meta
+
+
+def read_episodes(
+    uri: str,
+    session: str | None = None,
+    workers: list[str] | None = None,
+    *,
+    nodes: list[str] | None = None,
+    storage_options: dict | None = None,
+) -> Trajectory:
+    """The finished episodes in a dataset, as the padded Trajectory finish() returns.
+
+    Episodes come node by node, worker by worker (join order), environment by environment, in
+    time order: for one sidecar whose episodes are all written this equals
+    ``finish(pad_incomplete=False)``. ``session`` may be omitted when the dataset holds one;
+    ``workers`` and ``nodes`` keep only those worker ids and node ids.
+    """
+    _, pa, ds = _require()
+    import pyarrow.compute as pc
+
+    dataset = open_dataset(uri, storage_options=storage_options)
+    sessions = sorted(
+        {str(s) for s in dataset.to_table(columns=[PARTITION])[PARTITION].unique().to_pylist()}
+    )
+    if session is None:
+        if len(sessions) != 1:
+            raise ValueError(f"session: expected one of {sessions} (the dataset holds several)")
+        session = sessions[0]
+    elif session not in sessions:
+        raise KeyError(f"session: expected one of {sessions}, got {session!r}")
+    where = pc.field(PARTITION) == session
+    if workers is not None:
+        where &= pc.field("worker").isin([str(w) for w in workers])
+    if nodes is not None:
+        where &= pc.field("node").isin([str(n) for n in nodes])
+    fragment = next(iter(dataset.get_fragments(filter=pc.field(PARTITION) == session)))
+    meta = file_metadata(fragment.physical_schema)
+    fields = meta["fields"]
+    columns = list(_ORDER) + ["worker", "outcome"] + [f["column"] for f in fields]
+    table = dataset.to_table(columns=columns, filter=where)
+    if table.num_rows == 0:
+        raise ValueError(f"session {session!r}: no episodes match")
+    for name in ("node", "worker"):  # dictionary columns sort as their strings
+        table = table.set_column(
+            table.schema.get_field_index(name), name, pc.cast(table[name], pa.string())
+        )
+    table = table.sort_by([(c, "ascending") for c in _ORDER])
+    step = table["step"].to_numpy()
+    firsts = np.flatnonzero(step == 0)
+    lengths = np.diff(np.append(firsts, step.size)).astype(np.int64)
+    if firsts.size == 0 or firsts[0] != 0 or (step != _steps(lengths)).any():
+        raise ValueError(
+            f"session {session!r}: episode rows are not whole (a step is missing or repeated)"
+        )
+    num = lengths.size
+    rows = np.repeat(np.arange(num), lengths)
+    node = table["node"].to_numpy(zero_copy_only=False)[firsts]
+    windex = table["worker_index"].to_numpy()[firsts]
+    wid = table["worker"].to_numpy(zero_copy_only=False)[firsts]
+    keys: dict[tuple[str, int], int] = {}
+    worker_ids: list[str] = []
+    position = np.empty(num, dtype=np.int64)
+    for i, key in enumerate(zip(node.tolist(), windex.tolist())):
+        if key not in keys:
+            keys[key] = len(keys)
+            worker_ids.append(str(wid[i]))
+        position[i] = keys[key]
+    t_max = int(lengths.max())
+    out: dict[str, np.ndarray] = {}
+    for spec in fields:
+        values = _column(table[spec["column"]], np.dtype(spec["dtype"]), tuple(spec["shape"]))
+        padded = np.zeros((num, t_max, *spec["shape"]), dtype=values.dtype)
+        padded[rows, step] = values
+        out[spec["name"]] = padded
+    return Trajectory(
+        out.pop("actions"),
+        out.pop("rewards"),
+        out,
+        lengths=lengths,
+        episode_worker=position,
+        episode_env=table["env"].to_numpy()[firsts].astype(np.int64),
+        episode_start=table["start"].to_numpy()[firsts].astype(np.int64),
+        episode_done=np.ones(num, dtype=bool),
+        worker_ids=worker_ids,
+    )
+
+
+def _steps(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each episode length n, joined."""
+    total = int(lengths.sum())
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total) - starts
+
+
+def _column(column: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    array = column.combine_chunks()
+    if shape:
+        array = array.flatten()
+    values = array.to_numpy(zero_copy_only=False)
+    return values.astype(dtype, copy=False).reshape(len(column), *shape)
+
+
+def describe_fields(fields: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{f['name']}:{f['dtype']}{tuple(f['shape'])}" for f in fields)

@@ -1,0 +1,247 @@
+"""Episode files: Arrow tables of finished episodes in the dataset layout, written whole.
+
+The layout itself (columns, partitions, metadata) is described in `recorder_client.dataset`,
+which reads it back. A file appears under its final name only once it is complete: renamed
+into place on a local filesystem, a single object PUT on an object store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from recorder_client import __version__
+from recorder_client import dataset as layout
+from recorder_client._wire import trajectory_name
+
+from ..chunks import Schema
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One stored field: its trajectory name, chunk key, column, dtype and trailing shape."""
+
+    name: str
+    key: str
+    column: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def step_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "column": self.column,
+            "dtype": self.dtype.str,
+            "shape": list(self.shape),
+        }
+
+
+def field_specs(schema: Schema, state_order: list[str] | tuple[str, ...]) -> list[FieldSpec]:
+    """The fields of a session's episodes, in finish() order (rewards as float32)."""
+    dtype, shape = schema["action"]
+    specs = [
+        FieldSpec("actions", "action", "action", np.dtype(dtype), tuple(shape)),
+        FieldSpec("rewards", "reward", "reward", np.dtype(np.float32), ()),
+    ]
+    for state in state_order:
+        key = f"state:{state}"
+        if key in schema:
+            dtype, shape = schema[key]
+            specs.append(
+                FieldSpec(
+                    trajectory_name(state),
+                    key,
+                    layout.state_column(state),
+                    np.dtype(dtype),
+                    tuple(shape),
+                )
+            )
+    return specs
+
+
+@dataclass
+class Episodes:
+    """Finished episodes of one session, flattened step by step, ready to be a table."""
+
+    node: str
+    session: str
+    generation: int
+    worker_ids: list[str]
+    """Per episode: its worker's id."""
+    worker_index: np.ndarray
+    env: np.ndarray
+    start: np.ndarray
+    lengths: np.ndarray
+    outcome: np.ndarray
+    """Per episode: its outcome code (the last non-zero code of its steps; 0 for none)."""
+    values: dict[str, np.ndarray]
+    """Per field column: (steps, *shape) values, episode after episode."""
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.lengths.sum())
+
+
+def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str, Any]) -> Any:
+    """The Arrow table of ``episodes`` in the dataset layout, its metadata attached."""
+    import pyarrow as pa
+
+    lengths = episodes.lengths.astype(np.int64)
+    count = lengths.size
+    rows = np.repeat(np.arange(count, dtype=np.int32), lengths)
+    total = int(lengths.sum())
+    step = np.arange(total, dtype=np.int32) - np.repeat(
+        (np.cumsum(lengths) - lengths).astype(np.int32), lengths
+    )
+    ids = [
+        f"{episodes.node}/{episodes.session}/{episodes.generation}/{w}/{e}/{s}"
+        for w, e, s in zip(
+            episodes.worker_index.tolist(), episodes.env.tolist(), episodes.start.tolist()
+        )
+    ]
+    names = sorted(set(episodes.worker_ids))
+    where = {w: i for i, w in enumerate(names)}
+    worker_codes = np.asarray([where[w] for w in episodes.worker_ids], dtype=np.int32)
+    done = np.zeros(total, dtype=bool)
+    if total:
+        done[np.cumsum(lengths) - 1] = True
+    columns: dict[str, Any] = {
+        "episode_id": pa.DictionaryArray.from_arrays(pa.array(rows), pa.array(ids, pa.string())),
+        "node": pa.DictionaryArray.from_arrays(
+            pa.array(np.zeros(total, dtype=np.int32)), pa.array([episodes.node], pa.string())
+        ),
+        "generation": pa.array(np.full(total, episodes.generation, dtype=np.int32)),
+        "worker": pa.DictionaryArray.from_arrays(
+            pa.array(worker_codes[rows]), pa.array(names, pa.string())
+        ),
+        "worker_index": pa.array(episodes.worker_index.astype(np.int32)[rows]),
+        "env": pa.array(episodes.env.astype(np.int32)[rows]),
+        "start": pa.array(episodes.start.astype(np.int64)[rows]),
+        "step": pa.array(step),
+    }
+    for spec in fields:
+        columns[spec.column] = _arrow(episodes.values[spec.column], spec)
+        if spec.column == "reward":
+            columns["done"] = pa.array(done)
+            columns["outcome"] = pa.array(episodes.outcome.astype(np.int8)[rows])
+    meta = {
+        "layout": layout.LAYOUT_VERSION,
+        "session": episodes.session,
+        "node": episodes.node,
+        "generation": episodes.generation,
+        "fields": [f.to_dict() for f in fields],
+        "config": config,
+        "versions": versions(),
+    }
+    table = pa.table(columns)
+    return table.replace_schema_metadata({layout.METADATA_KEY: json.dumps(meta).encode()})
+
+
+def _arrow(values: np.ndarray, spec: FieldSpec) -> Any:
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(values, dtype=spec.dtype)
+    if not spec.shape:
+        return pa.array(values)
+    size = int(np.prod(spec.shape, dtype=np.int64))
+    flat = pa.array(values.reshape(-1))
+    return pa.FixedSizeListArray.from_arrays(flat, size)
+
+
+def versions() -> dict[str, str]:
+    import pyarrow as pa
+
+    return {"rollout_recorder": __version__, "pyarrow": pa.__version__}
+
+
+def parquet_bytes(table: Any) -> bytes:
+    """The table as one Parquet file (zstd; row groups of at most 1 Mi rows)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd", compression_level=1, row_group_size=1 << 20)
+    return sink.getvalue().to_pybytes()
+
+
+def is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def put_whole(fs: Any, path: str, data: bytes) -> None:
+    """Write ``data`` at ``path`` so that a reader sees all of it or nothing."""
+    directory = path.rsplit("/", 1)[0]
+    if is_local(fs):
+        os.makedirs(directory, exist_ok=True)
+        # Hidden while partial: readers skip names starting with "."
+        temp = f"{directory}/.{path.rsplit('/', 1)[1]}.{uuid.uuid4().hex[:8]}.partial"
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        fs.pipe_file(path, data)  # one PUT: the object exists whole or not at all
+
+
+def session_dir(root: str, session: str) -> str:
+    return f"{root}/{layout.PARTITION}={session}"
+
+
+def file_name(node: str, generation: int, seq: int) -> str:
+    return f"part-{node}-g{generation}-{seq:08d}.parquet"
+
+
+def describe(
+    fs: Any, root: str, session: str, fields: list[FieldSpec], config: dict[str, Any]
+) -> None:
+    """Write the dataset's and the session's small JSON descriptions (same bytes from every
+    sidecar of a run, so concurrent writers agree)."""
+    dataset = {
+        "format": "rollout-recorder episodes",
+        "layout": layout.LAYOUT_VERSION,
+        "partitioning": f"hive: {layout.PARTITION}=NAME",
+        "columns": {
+            "episode_id": "NODE/SESSION/GENERATION/WORKER_INDEX/ENV/START, unique per episode",
+            "node": "the sidecar that wrote the episode (serve --node-id)",
+            "generation": "resets of the session before the episode",
+            "worker": "the worker id",
+            "worker_index": "the worker's place in join order on its node",
+            "env": "the environment within the worker",
+            "start": "the episode's first step on the worker's time axis",
+            "step": "the step within the episode, from 0",
+            "action": "the action taken",
+            "reward": "the reward (float32)",
+            "done": "true on the episode's last step",
+            "outcome": "the episode's outcome code (EpisodeOutcome; 0: none)",
+            "<state field>": "one column per recorded state field, by trajectory name",
+        },
+        "versions": versions(),
+    }
+    put_whole(fs, f"{root}/{layout.DATASET_FILE}", _json(dataset))
+    put_whole(
+        fs,
+        f"{session_dir(root, session)}/{layout.SESSION_FILE}",
+        _json({"session": session, "fields": [f.to_dict() for f in fields], "config": config}),
+    )
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()

@@ -1,0 +1,329 @@
+"""The dataset sink (serve --dataset-uri): every finished episode, written to Parquet files on
+any fsspec filesystem or object store while the run goes on.
+
+The sink holds no copy of the data: a session keeps every chunk anyway, and the sink reads the
+episodes its cursor has not reached from there, one bounded file at a time, on its own thread.
+Ingest never waits for it. A failed write is retried with backoff and counted; what it would
+have written stays in the session, the log and its checkpoints until a write commits (see
+cursor.py), so a crash or an unreachable store delays episodes and loses none.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recorder_client import dataset as client_dataset
+
+from ..durability import records
+from ..errors import ErrorKind, RequestError
+from . import layout
+from .cursor import Intent
+
+logger = logging.getLogger(__name__)
+
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_MAX_BACKOFF_S = 60.0
+# Per-step bytes besides the fields (ids, indexes, step, done, outcome) in a file's budget.
+_ROW_OVERHEAD = 32
+
+
+def default_node_id() -> str:
+    """The hostname, cut to the node id rule."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].lstrip("._-")
+    return name or "node"
+
+
+def check_node_id(node: str) -> str:
+    if not NODE_ID.fullmatch(node):
+        raise ValueError(
+            f"--node-id: expected 1-64 characters from [A-Za-z0-9._-] starting with a letter "
+            f"or digit, got {node!r}"
+        )
+    return node
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    uri: str
+    """Where the dataset lives: a path, file://, s3://bucket/prefix, or any fsspec URL."""
+    node_id: str = field(default_factory=default_node_id)
+    """Prefix of this sidecar's episode ids and file names (unique per sidecar of a run)."""
+    flush_seconds: float = 30.0
+    """Longest time a finished episode waits before it is written."""
+    file_bytes: int = 64 << 20
+    """Raw bytes of episodes per file (a flush writes several when more are waiting)."""
+    storage_options: dict = field(default_factory=dict)
+    """Extra fsspec filesystem arguments."""
+    stop_timeout: float = 20.0
+    """Seconds a stop waits for the last writes (what is left is written on the next start)."""
+
+    def __post_init__(self) -> None:
+        check_node_id(self.node_id)
+        if not self.flush_seconds > 0:
+            raise ValueError(
+                f"--dataset-flush-seconds: expected seconds > 0, got {self.flush_seconds}"
+            )
+        if not self.file_bytes >= 1 << 10:
+            raise ValueError(f"--dataset-file-mib: expected at least 1 KiB, got {self.file_bytes}")
+
+
+@dataclass
+class _State:
+    last_flush: float = 0.0
+    steps_at_flush: int = 0
+    failures: int = 0
+    retry_at: float = 0.0
+
+
+class DatasetSink:
+    def __init__(self, options: DatasetOptions, sessions: Any, metrics: Any) -> None:
+        self.options = options
+        self.node = check_node_id(options.node_id)
+        self.fs, self.root = client_dataset.filesystem(options.uri, options.storage_options)
+        self.sessions = sessions
+        self.metrics = metrics
+        self._states: dict[str, _State] = {}
+        self._described: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+    def start(self) -> None:
+        """Write what recovery left pending at once, then every flush interval."""
+        self._thread = threading.Thread(target=self._run, name="recorder-dataset", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread, then write every finished episode (as long as stop_timeout
+        allows; the rest stays in the log and its checkpoints for the next start)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.options.stop_timeout)
+        deadline = time.monotonic() + self.options.stop_timeout
+        for session in self.sessions.all():
+            if time.monotonic() > deadline:
+                logger.warning("dataset: stop timeout reached; the rest is written next start")
+                break
+            try:
+                with session.dataset_lock:
+                    self._flush(session)
+            except Exception as exc:  # noqa: BLE001 - a stop reports, it does not raise
+                logger.error(
+                    "dataset: session %r not fully written at stop (%s); the log keeps it",
+                    session.name,
+                    exc,
+                )
+
+    def flush_now(self, session: Any) -> None:
+        """Write every finished episode of ``session`` now; the caller holds its
+        dataset_lock. RequestError (STORAGE) when the dataset cannot take it."""
+        try:
+            self._flush(session, closing=True)
+        except Exception as exc:  # noqa: BLE001 - any store failure refuses the request
+            self._failed(session.name, exc)
+            raise RequestError(
+                ErrorKind.STORAGE,
+                f"dataset {self.options.uri}: cannot write the finished episodes of session "
+                f"{session.name!r} ({exc}); nothing changed, retry once it can",
+            ) from None
+
+    # -- the writer thread -------------------------------------------------
+    def _run(self) -> None:
+        tick = min(1.0, max(0.05, self.options.flush_seconds / 4))
+        while True:
+            now = time.monotonic()
+            live = self.sessions.all()
+            for session in live:
+                state = self._states.setdefault(session.name, _State())
+                if now < state.retry_at or not self._due(session, state, now):
+                    continue
+                try:
+                    with session.dataset_lock:
+                        self._flush(session)
+                    state.failures = 0
+                except Exception as exc:  # noqa: BLE001 - retried with backoff
+                    self._failed(session.name, exc)
+                    state.failures += 1
+                    backoff = min(_MAX_BACKOFF_S, 0.5 * 2**state.failures)
+                    state.retry_at = time.monotonic() + backoff
+                state.last_flush = now
+            names = {s.name for s in live}
+            for name in [n for n in self._states if n not in names]:
+                del self._states[name]
+            if self._stop.wait(tick):
+                return
+
+    def _due(self, session: Any, state: _State, now: float) -> bool:
+        if session.dataset.pending is not None or state.last_flush == 0.0:
+            return True
+        if now - state.last_flush >= self.options.flush_seconds:
+            return True
+        # Enough new steps for a whole file: write without waiting for the interval.
+        steps = session.env_steps - state.steps_at_flush
+        return steps * self._step_bytes(session) >= self.options.file_bytes
+
+    def _failed(self, name: str, exc: BaseException) -> None:
+        self.metrics.inc("Recorder/dataset_write_failures", 1, session=name)
+        logger.warning("dataset: write for session %r failed, retried: %s", name, exc)
+
+    # -- writing -----------------------------------------------------------
+    def _flush(self, session: Any, *, closing: bool = False) -> None:
+        """Write the pending intent, then every finished episode not written yet (call with
+        the session's dataset_lock held). ``closing``: the session is being dropped."""
+        if session.dropped and not closing:
+            return
+        state = self._states.setdefault(session.name, _State())
+        state.steps_at_flush = session.env_steps
+        while True:
+            intent = session.dataset.pending
+            if intent is None:
+                intent = self._plan(session)
+                if intent is None:
+                    break
+                with session.lock:
+                    self._journal(session, records.dataset_write(session.name, intent))
+                    session.dataset.intent(intent)
+            self._write(session, intent)
+            with session.lock:
+                self._journal(session, records.dataset_commit(session.name, intent.seq))
+                session.dataset.commit(intent.seq)
+        with session.lock:
+            waiting = sum(
+                tl.episodes_finished - session.dataset.written.get(w, 0)
+                for w, tl in session.workers.items()
+            )
+        self.metrics.set("Recorder/dataset_pending_episodes", waiting, session=session.name)
+
+    @staticmethod
+    def _journal(session: Any, record: list) -> None:
+        if session.journal is not None:
+            session.journal(record)
+
+    def _step_bytes(self, session: Any) -> int:
+        schema = session.schema
+        if schema is None:
+            return _ROW_OVERHEAD
+        specs = layout.field_specs(schema, session.config.state_fields)
+        return _ROW_OVERHEAD + sum(s.step_bytes for s in specs)
+
+    def _plan(self, session: Any) -> Intent | None:
+        """The next file: finished episodes past the cursor, worker by worker, within
+        file_bytes (at least one episode)."""
+        budget = self.options.file_bytes
+        step_bytes = self._step_bytes(session)
+        ranges: dict[str, tuple[int, int]] = {}
+        with session.lock:
+            cursor = session.dataset
+            for worker_id, tl in session.workers.items():
+                _env, start, end = tl.table.arrays()
+                first = cursor.written.get(worker_id, 0)
+                if end.size <= first:
+                    continue
+                size = np.cumsum(end[first:] - start[first:]) * step_bytes
+                take = int(np.searchsorted(size, budget, side="right"))
+                if ranges and take == 0:
+                    break
+                take = max(take, 1)
+                ranges[worker_id] = (first, first + take)
+                budget -= int(size[take - 1])
+                if budget <= 0:
+                    break
+            if not ranges:
+                return None
+            return Intent(cursor.seq, cursor.generation, ranges)
+
+    def _write(self, session: Any, intent: Intent) -> None:
+        episodes, fields = self._gather(session, intent)
+        config = session.config.to_dict()
+        if session.name not in self._described:
+            layout.describe(self.fs, self.root, session.name, fields, config)
+            self._described.add(session.name)
+        table = layout.episode_table(episodes, fields, config)
+        data = layout.parquet_bytes(table)
+        name = layout.file_name(self.node, intent.generation, intent.seq)
+        layout.put_whole(self.fs, f"{layout.session_dir(self.root, session.name)}/{name}", data)
+        labels = {"session": session.name}
+        self.metrics.inc("Recorder/dataset_files_written", 1, **labels)
+        self.metrics.inc("Recorder/dataset_episodes_written", int(episodes.lengths.size), **labels)
+        self.metrics.inc("Recorder/dataset_steps_written", episodes.num_steps, **labels)
+        self.metrics.inc("Recorder/dataset_bytes_written", len(data), **labels)
+
+    def _gather(self, session: Any, intent: Intent) -> tuple[layout.Episodes, list]:
+        """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
+        with session.lock:
+            fields = layout.field_specs(dict(session.schema), session.config.state_fields)
+            parts = []
+            for worker_id, (first, end_row) in intent.ranges.items():
+                tl = session.workers.get(worker_id)
+                if tl is None:
+                    raise RuntimeError(f"worker {worker_id!r} of a logged dataset write is gone")
+                env, start, end = (a[first:end_row].copy() for a in tl.table.arrays())
+                if env.size != end_row - first:
+                    raise RuntimeError(
+                        f"worker {worker_id!r}: rows {first}..{end_row} of a logged dataset "
+                        f"write are not held (it holds {first + env.size})"
+                    )
+                lo, hi = int(start.min()), int(end.max())
+                chunks = tl.chunks
+                i = bisect.bisect_right(chunks, lo, key=lambda c: c.t0) - 1
+                j = bisect.bisect_left(chunks, hi, key=lambda c: c.t0)
+                parts.append((worker_id, tl.index, env, start, end, chunks[max(i, 0) : j]))
+        values: dict[str, list[np.ndarray]] = {f.column: [] for f in fields}
+        worker_ids: list[str] = []
+        windex, envs, starts, lengths, outcomes = [], [], [], [], []
+        for worker_id, index, env, start, end, chunks in parts:
+            n = end - start
+            base = chunks[0].t0
+            offsets = np.repeat(start - base - (np.cumsum(n) - n), n)
+            t = np.arange(int(n.sum())) + offsets
+            e = np.repeat(env, n)
+            for spec in fields:
+                src = _joined([c.arrays[spec.key].decode() for c in chunks])
+                with np.errstate(over="ignore", invalid="ignore"):
+                    values[spec.column].append(src[t, e].astype(spec.dtype, copy=False))
+            codes = _joined([_codes(c) for c in chunks])[t, e]
+            outcomes.append(_last_nonzero(codes, n))
+            worker_ids.extend([worker_id] * env.size)
+            windex.append(np.full(env.size, index, dtype=np.int64))
+            envs.append(env)
+            starts.append(start)
+            lengths.append(n)
+        episodes = layout.Episodes(
+            node=self.node,
+            session=session.name,
+            generation=intent.generation,
+            worker_ids=worker_ids,
+            worker_index=np.concatenate(windex),
+            env=np.concatenate(envs),
+            start=np.concatenate(starts),
+            lengths=np.concatenate(lengths),
+            outcome=np.concatenate(outcomes),
+            values={k: _joined(v) for k, v in values.items()},
+        )
+        return episodes, fields
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _codes(chunk: Any) -> np.ndarray:
+    if chunk.outcome is None:
+        return np.zeros((chunk.length, chunk.arrays["done"].shape[1]), dtype=np.int8)
+    return chunk.outcome.decode()
+
+
+def _last_nonzero(codes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per episode (lengths, back to back in ``codes``): its last non-zero code, or 0."""
+    where = np.where(codes != 0, np.arange(codes.size), -1)
+    last = np.maximum.reduceat(where, np.cumsum(lengths) - lengths)
+    return np.where(last >= 0, codes[np.maximum(last, 0)], 0).astype(np.int64)
