@@ -83,6 +83,7 @@ def filesystem(uri: str, storage_options: dict | None = None) -> tuple[Any, str]
 
 def episode_files(fs: Any, root: str) -> list[str]:
     """Every committed episode file under ``root`` (partial and hidden files excluded)."""
+    fs.invalidate_cache(root)  # object stores: list what is there now, not a cached listing
     if not fs.exists(root):
         return []
     found = []

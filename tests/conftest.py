@@ -194,3 +194,69 @@ class RestartableServer:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+
+class S3Server:
+    """moto in server mode on 127.0.0.1, as its own process: an S3-compatible endpoint.
+    `environment` holds the standard AWS variables that point clients at it."""
+
+    def __init__(self) -> None:
+        import urllib.request
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.environment = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+
+        def up() -> bool:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
+                return True
+            except OSError:
+                return False
+
+        if not wait_for(up, timeout=30):
+            self.process.kill()
+            raise RuntimeError(f"moto server did not start on {self.endpoint}")
+
+    def make_bucket(self, name: str) -> str:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(
+            Bucket=name
+        )
+        return f"s3://{name}"
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """A real S3-compatible server for the test run, the AWS variables set in this process
+    (and so in the servers it starts); one per run, as filesystem clients are cached."""
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in server.environment}
+    os.environ.update(server.environment)
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.close()

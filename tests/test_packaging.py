@@ -119,6 +119,17 @@ def test_the_cli_without_the_server_extra(bare_venv, tmp_path):
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr
         assert f"needs {package}" in done.stderr and EXTRA in done.stderr
+    # The dataset sink needs the dataset extra: refused at start, naming it.
+    done = subprocess.run(
+        [*serve, "--dataset-uri", str(tmp_path / "ds")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "pip install 'rollout-recorder[dataset]'" in done.stderr
     health = subprocess.run(
         [cli, "health", "--target", "127.0.0.1:1", "--timeout", "1"],
         cwd=tmp_path,
