@@ -42,6 +42,7 @@ _EXPORTS = {
     "UtilityConfig": "capture_types",
     "WorkerStatus": "status",
     "drop_session": "sessions",
+    "fetch_episodes": "sessions",
     "list_sessions": "sessions",
 }
 
@@ -76,6 +77,7 @@ __all__ = [
     "WorkerStatus",
     "__version__",
     "drop_session",
+    "fetch_episodes",
     "list_sessions",
 ]
 
@@ -122,6 +124,6 @@ if TYPE_CHECKING:
         UnknownSessionError,
     )
     from .recorder import RolloutRecorder
-    from .sessions import drop_session, list_sessions
+    from .sessions import drop_session, fetch_episodes, list_sessions
     from .status import SessionStatus, WorkerStatus
     from .trajectory import Trajectory

@@ -1,4 +1,5 @@
-"""Sessions as server resources: list them, drop one (no recorder needed)."""
+"""Sessions as server resources: list them, read one's episodes, drop one (no recorder
+needed)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any
 from ._connection import Connection
 from ._credentials import PemSource
 from ._proto import recorder_pb2 as pb
+from .recorder import _assemble
+from .trajectory import Trajectory
 
 
 def _connection(
@@ -60,6 +63,30 @@ def list_sessions(
         }
         for s in reply.sessions
     ]
+
+
+def fetch_episodes(
+    target: str,
+    session: str,
+    *,
+    pad_incomplete: bool = False,
+    token: str | None = None,
+    root_certificates: PemSource = None,
+    client_certificate: PemSource = None,
+    client_key: PemSource = None,
+    timeout: float = 300.0,
+) -> Trajectory:
+    """The session's episodes as ``finish()`` returns them, read without joining it as a
+    worker. Raises UnknownSessionError for a name the server does not hold, NoDataError
+    when it holds no episode. ``timeout`` bounds the connection and the whole download."""
+    connection = _connection(
+        target, token, root_certificates, client_certificate, client_key, timeout
+    )
+    try:
+        request = pb.FinishRequest(session=session, pad_incomplete=bool(pad_incomplete))
+        return _assemble(connection.download("Finish", request))
+    finally:
+        connection.close()
 
 
 def drop_session(
