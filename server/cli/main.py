@@ -1,4 +1,4 @@
-"""The `rollout-recorder` command line: serve, status, health, sessions, demo."""
+"""The `rollout-recorder` command line: serve, status, health, sessions, export, store, demo."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 
 from ..extras import MissingExtraError
-from . import demo, health, serve, sessions, status
+from . import demo, export, health, serve, sessions, status, store
 
 LOG_ENV = "ROLLOUT_RECORDER_LOG"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_parser(sub)
     status.add_parser(sub)
     sessions.add_parser(sub)
+    export.add_parser(sub)
+    store.add_parser(sub)
     return parser
 
 
