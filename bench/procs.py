@@ -343,3 +343,59 @@ def run_workers(
     finally:
         for w in workers:
             w.stop()
+
+
+class S3Server:
+    """moto in server mode on 127.0.0.1 (its own process): the local S3-compatible endpoint
+    the dataset rows write to. `environment`: the AWS variables that point clients at it."""
+
+    def __init__(self, log_path: Path) -> None:
+        import socket
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        self.environment = {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.endpoint,
+        }
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not start on {self.endpoint}") from None
+                time.sleep(0.1)
+
+    def bucket(self, name: str) -> str:
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
+        ).create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()

@@ -35,6 +35,7 @@ from procs import (
     DashboardServer,
     RawGrpcServer,
     RecorderServer,
+    S3Server,
     extract_code,
     machine_snapshot,
     machine_window,
@@ -99,6 +100,13 @@ class Context:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     _ray: Any = None
     _previous_core: Path | None = None
+    _s3: S3Server | None = None
+
+    def s3(self) -> S3Server:
+        """The local S3 server (moto), started once per run."""
+        if self._s3 is None:
+            self._s3 = S3Server(self.tmp / "moto.log")
+        return self._s3
 
     def previous_core(self) -> Path:
         """PREVIOUS_CORE's packages, extracted once per run (for a server's PYTHONPATH)."""
@@ -145,6 +153,9 @@ class Context:
         return self._ray
 
     def close(self) -> None:
+        if self._s3 is not None:
+            self._s3.stop()
+            self._s3 = None
         if self._ray is not None:
             self._ray.shutdown()
             self._ray = None
@@ -210,6 +221,37 @@ def latency_summary(samples_ns: list[int]) -> dict[str, Any]:
         "over_1ms": int((arr > 1000).sum()),
         "samples_us": [round(float(x), 1) for x in arr],
     }
+
+
+DATASET_FLUSH_S = 0.25
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dataset_drain(metrics_port: int, episodes: int, timeout: float = 300.0) -> dict[str, Any]:
+    """Seconds until the server's dataset holds `episodes` episodes (its Prometheus counter)."""
+    import urllib.request
+
+    start = time.monotonic()
+    written = 0.0
+    while time.monotonic() - start < timeout:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        written = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("rollout_recorder_dataset_episodes_written_total{")
+        )
+        if written >= episodes:
+            return {"drain_s": time.monotonic() - start, "episodes": int(written)}
+        time.sleep(0.05)
+    raise RuntimeError(f"the dataset holds {written:.0f} of {episodes} episodes after {timeout} s")
 
 
 def session_status(address: str, session: str) -> dict[str, int]:
@@ -532,6 +574,7 @@ def ingest_scenario(
     dashboard: bool = False,
     references: tuple[tuple[str, str], ...] | None = None,
     rows: Callable[[dict[str, dict[str, Any]]], list[Row]] | None = None,
+    dataset: str | None = None,
 ) -> Scenario:
     """`workers` processes record `ingest_chunks` chunks each into one session.
 
@@ -542,7 +585,9 @@ def ingest_scenario(
     `pixels`: the pixel workload (`Params.pixel_*`, a frames state field); `dashboard`: the
     server also serves its dashboard (`--http-listen`), polled once a second as an open page
     would; `references`: (scenario, label) pairs to compare MB/s with (default: the Ray and
-    raw gRPC scenarios of as many workers).
+    raw gRPC scenarios of as many workers); `dataset`: "local" or "s3", the server writes
+    every finished episode there (`--dataset-uri`), and the run also times how long after
+    the last ack the dataset holds them all.
     """
     if references is None:
         references = (
@@ -556,7 +601,24 @@ def ingest_scenario(
             env["PYTHONPATH"] = str(ctx.previous_core())
         if dashboard and not serve_has_flag("--http-listen"):
             raise Skipped("this server has no `serve --http-listen` (the dashboard) yet")
-        server = ctx.server(f"{name}-{rep}", serve_args, env or None, dashboard=dashboard)
+        extra = serve_args
+        metrics_port = None
+        if dataset is not None:
+            if not serve_has_flag("--dataset-uri"):
+                raise Skipped("this server has no `serve --dataset-uri` (the dataset sink) yet")
+            if dataset == "s3":
+                s3 = ctx.s3()
+                env.update(s3.environment)
+                uri = f"{s3.bucket(f'{name}-{rep}'.replace('_', '-'))}/episodes"
+            else:
+                uri = "{tmp}/dataset"
+            metrics_port = free_port()
+            extra = (
+                *serve_args,
+                *("--dataset-uri", uri, "--dataset-flush-seconds", str(DATASET_FLUSH_S)),
+                *("--metrics-listen", f"127.0.0.1:{metrics_port}"),
+            )
+        server = ctx.server(f"{name}-{rep}", extra, env or None, dashboard=dashboard)
         holders = None
         poller = None
         try:
@@ -601,8 +663,14 @@ def ingest_scenario(
             out["server_idle_vm"] = idle
             out["server_vm"] = server.status()
             out["status"] = session_status(server.address, "ingest")
+            if metrics_port is not None:
+                out["dataset"] = dataset_drain(metrics_port, out["status"]["episodes_finished"])
+                drain = out["dataset"]["drain_s"]
+                out["dataset"]["sustained_raw_mb_s"] = (
+                    out["raw_bytes"] / MB / (out["wall_s"] + drain)
+                )
             http = ("--http-listen", "127.0.0.1:0") if dashboard else ()
-            out["serve_args"] = [*serve_args, *http, *ctx.serve_args]
+            out["serve_args"] = [*extra, *http, *ctx.serve_args]
             out["serve_env"] = env
             out["idle_streams"] = idle_streams
             out["num_envs"] = specs[0]["num_envs"]
@@ -631,6 +699,14 @@ def ingest_scenario(
             label += f", pixel frames (T, {r.get('num_envs')}, 84, 84) uint8"
         if serve_args:
             label += f", serve {' '.join(serve_args)}"
+        if dataset is not None:
+            d = r.get("dataset", {})
+            where = "a local directory" if dataset == "local" else "the local S3 server (moto)"
+            label += (
+                f", dataset sink on: every finished episode to {where}, flushed every "
+                f"{DATASET_FLUSH_S:g} s; all {d.get('episodes', 0)} episodes in the dataset "
+                f"{d.get('drain_s', 0):.2f} s after the last ack"
+            )
         if dashboard:
             d = r.get("dashboard", {})
             label += (
@@ -1120,6 +1196,20 @@ SCENARIOS: list[Scenario] = [
         dashboard=True,
         compare_to="ingest_4w_no_metrics",
         description="ingest, 4 workers, metrics on and the dashboard polled once a second",
+    ),
+    ingest_scenario(
+        "ingest_4w_dataset_local",
+        workers=4,
+        dataset="local",
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, dataset sink writing Parquet to a local directory",
+    ),
+    ingest_scenario(
+        "ingest_4w_dataset_s3",
+        workers=4,
+        dataset="s3",
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, dataset sink writing Parquet to a local S3 server",
     ),
     ingest_scenario(
         "ingest_4w_all_sinks",
