@@ -1,6 +1,7 @@
 """Rollout Recorder client: record rollout chunks into a recorder server.
 
-Imports only grpcio, protobuf, numpy and zstandard. Names load on first use, so that the
+Imports only grpcio, protobuf, numpy and zstandard; the dataset readers (``read_episodes``,
+``open_dataset``) import pyarrow and fsspec when called. Names load on first use, so that the
 plain types (``capture_types``) and the wire rules the server shares load without gRPC.
 """
 
@@ -44,6 +45,8 @@ _EXPORTS = {
     "drop_session": "sessions",
     "fetch_episodes": "sessions",
     "list_sessions": "sessions",
+    "open_dataset": "dataset",
+    "read_episodes": "dataset",
 }
 
 __all__ = [
@@ -79,6 +82,8 @@ __all__ = [
     "drop_session",
     "fetch_episodes",
     "list_sessions",
+    "open_dataset",
+    "read_episodes",
 ]
 
 
@@ -109,6 +114,7 @@ if TYPE_CHECKING:
         TrajectoryTrainingConfiguration,
         UtilityConfig,
     )
+    from .dataset import open_dataset, read_episodes
     from .errors import (
         AuthenticationError,
         DataLossError,

@@ -24,6 +24,7 @@ endpoint (``AWS_ENDPOINT_URL``) included.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -147,8 +148,9 @@ def read_episodes(
     """The finished episodes in a dataset, as the padded Trajectory finish() returns.
 
     Episodes come node by node, worker by worker (join order), environment by environment, in
-    time order: for one sidecar whose episodes are all written this equals
-    ``finish(pad_incomplete=False)``. ``session`` may be omitted when the dataset holds one;
+    time order, and workers are numbered by the roster of each node's newest file (every
+    worker the session held then, in join order): for one sidecar whose episodes are all
+    written this equals ``finish(pad_incomplete=False)``, ``worker_ids`` included. ``session`` may be omitted when the dataset holds one;
     ``workers`` and ``nodes`` keep only those worker ids and node ids.
     """
     _, pa, ds = _require()
@@ -169,8 +171,7 @@ def read_episodes(
         where &= pc.field("worker").isin([str(w) for w in workers])
     if nodes is not None:
         where &= pc.field("node").isin([str(n) for n in nodes])
-    fragment = next(iter(dataset.get_fragments(filter=pc.field(PARTITION) == session)))
-    meta = file_metadata(fragment.physical_schema)
+    rosters, meta = _rosters(dataset, session, nodes)
     fields = meta["fields"]
     columns = list(_ORDER) + ["worker", "outcome"] + [f["column"] for f in fields]
     table = dataset.to_table(columns=columns, filter=where)
@@ -193,8 +194,16 @@ def read_episodes(
     node = table["node"].to_numpy(zero_copy_only=False)[firsts]
     windex = table["worker_index"].to_numpy()[firsts]
     wid = table["worker"].to_numpy(zero_copy_only=False)[firsts]
+    # Workers numbered as finish() numbers them: node by node, each node's roster in join
+    # order (workers without an episode too); any worker missing from it comes after.
+    keep = None if workers is None else {str(w) for w in workers}
     keys: dict[tuple[str, int], int] = {}
     worker_ids: list[str] = []
+    for name in sorted(rosters):
+        for worker_id, index in rosters[name]:
+            if keep is None or worker_id in keep:
+                keys[(name, int(index))] = len(keys)
+                worker_ids.append(str(worker_id))
     position = np.empty(num, dtype=np.int64)
     for i, key in enumerate(zip(node.tolist(), windex.tolist())):
         if key not in keys:
@@ -219,6 +228,37 @@ def read_episodes(
         episode_done=np.ones(num, dtype=bool),
         worker_ids=worker_ids,
     )
+
+
+_FILE = re.compile(r"part-(?P<node>.+)-g(?P<generation>\d+)-(?P<seq>\d+)\.parquet")
+
+
+def _rosters(
+    dataset: Any, session: str, nodes: list[str] | None
+) -> tuple[dict[str, list], dict[str, Any]]:
+    """Each node's worker roster from its newest file of ``session``, and that file's
+    metadata (the fields)."""
+    import pyarrow.parquet as pq
+
+    newest: dict[str, tuple[int, int, str]] = {}
+    marker = f"/{PARTITION}={session}/"
+    for path in dataset.files:
+        match = _FILE.fullmatch(path.rsplit("/", 1)[-1])
+        if marker not in f"/{path}" or match is None:
+            continue
+        node = match["node"]
+        if nodes is not None and node not in nodes:
+            continue
+        order = (int(match["generation"]), int(match["seq"]), path)
+        newest[node] = max(newest.get(node, order), order)
+    if not newest:
+        raise ValueError(f"session {session!r}: no episode files of the selected nodes")
+    rosters: dict[str, list] = {}
+    meta: dict[str, Any] = {}
+    for node, (_g, _s, path) in newest.items():
+        meta = file_metadata(pq.read_schema(path, filesystem=dataset.filesystem))
+        rosters[node] = meta.get("workers", [])
+    return rosters, meta
 
 
 def _steps(lengths: np.ndarray) -> np.ndarray:

@@ -40,7 +40,10 @@ EXPECTED = {
     "StoreNotConfiguredError",
     "UnknownSessionError",
     "drop_session",
+    "fetch_episodes",
     "list_sessions",
+    "open_dataset",
+    "read_episodes",
 }
 
 

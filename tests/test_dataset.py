@@ -187,6 +187,38 @@ def test_four_workers_record_while_the_dataset_is_written(tmp_path: Path, datase
         server.stop(grace=0)
 
 
+def test_workers_without_a_finished_episode_keep_their_place(tmp_path: Path):
+    """finish() numbers every worker the session holds; so does read_episodes (each file
+    carries the roster), also for a worker that has not finished an episode yet."""
+    uri = str(tmp_path / "dataset")
+    options = ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
+    )
+    server = start_server(options)
+    try:
+        kw = {"record_states": True, "target": server.address, "session": "s"}
+        quiet = RolloutRecorder(worker_id="first-no-episodes", **kw)
+        busy = RolloutRecorder(worker_id="second", **kw)
+        arrays, states = chunk(0, 0)
+        arrays["done"][:] = False
+        quiet.record({k: arrays[k] for k in ("action", "reward", "done")}, states)
+        quiet.flush()
+        record(busy, 1, range(10))
+        expected = busy.finish(pad_incomplete=False)
+        assert list(expected.worker_ids) == ["first-no-episodes", "second"]
+        assert set(expected.episode_worker.tolist()) == {1}
+        wait_written(uri, "s", expected.num_episodes)
+        assert_identical(expected, read_episodes(uri, "s"))
+        only = read_episodes(uri, "s", workers=["second"])
+        assert list(only.worker_ids) == ["second"] and set(only.episode_worker.tolist()) == {0}
+        quiet.close()
+        busy.close()
+    finally:
+        server.stop(grace=0)
+
+
 def test_a_write_that_landed_without_its_commit_is_written_once(tmp_path: Path, monkeypatch):
     """A crash after a file is written but before its commit is logged: the restarted server
     writes the same file again under the same name, and no episode appears twice."""
@@ -294,6 +326,7 @@ def test_kill_9_between_ack_and_flush_loses_and_repeats_nothing(tmp_path: Path):
     server.start()
     rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w0")
     record(rec, 0, range(20))
+    rec.close()
     server.kill()
     fs, root = filesystem(uri)
     assert episode_files(fs, root) == []
@@ -308,6 +341,7 @@ def test_kill_9_between_ack_and_flush_loses_and_repeats_nothing(tmp_path: Path):
         )
         record(rec, 0, range(sent, sent + 10))
         sent += 10
+        rec.close()
         time.sleep(rng.uniform(0.0, 0.3))
         server.kill()
     server.start()

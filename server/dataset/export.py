@@ -59,8 +59,8 @@ def write_parquet(
 
     Episode b's worker is ``worker_ids[episode_worker[b]]`` at worker_index
     ``episode_worker[b]``. read_episodes returns episodes in (worker, env, start) order and
-    numbers workers among those with an episode, so finish(pad_incomplete=False) output comes
-    back equal. Returns a summary: uri, session, files, episodes, steps, bytes (written).
+    numbers workers by the roster every file carries (``worker_ids``), so
+    finish(pad_incomplete=False) output comes back equal. Returns a summary: uri, session, files, episodes, steps, bytes (written).
     Raises ValueError for unfinished episodes (the layout holds finished ones), and
     FileExistsError when the session already has episode files there.
     """
@@ -111,6 +111,7 @@ def write_parquet(
             lengths=lengths[rows],
             outcome=np.zeros(hi - lo, dtype=np.int64),
             values={f.column: trajectory.fields[f.name][rows][mask] for f in fields},
+            roster=list(zip(names, range(len(names)))),
         )
         data = layout.parquet_bytes(layout.episode_table(episodes, fields, config))
         layout.put_whole(fs, f"{directory}/{layout.file_name(node, 0, seq)}", data)

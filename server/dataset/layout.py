@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,9 @@ class Episodes:
     """Per episode: its outcome code (the last non-zero code of its steps; 0 for none)."""
     values: dict[str, np.ndarray]
     """Per field column: (steps, *shape) values, episode after episode."""
+    roster: list[tuple[str, int]] = field(default_factory=list)
+    """Every worker the session held when the file was written, (id, worker_index) in join
+    order: readers number workers as finish() does, those without an episode included."""
 
     @property
     def num_steps(self) -> int:
@@ -140,6 +143,7 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         "node": episodes.node,
         "generation": episodes.generation,
         "fields": [f.to_dict() for f in fields],
+        "workers": [[w, int(i)] for w, i in episodes.roster],
         "config": config,
         "versions": versions(),
     }
@@ -219,7 +223,8 @@ def session_dir(root: str, session: str) -> str:
 
 
 def file_name(node: str, generation: int, seq: int) -> str:
-    return f"part-{node}-g{generation}-{seq:08d}.parquet"
+    """Names sort in write order within a node (readers take the newest one's roster)."""
+    return f"part-{node}-g{generation:06d}-{seq:010d}.parquet"
 
 
 def describe(

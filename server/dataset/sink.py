@@ -268,6 +268,7 @@ class DatasetSink:
         """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
         with session.lock:
             fields = layout.field_specs(dict(session.schema), session.config.state_fields)
+            roster = [(w, tl.index) for w, tl in session.workers.items()]
             parts = []
             for worker_id, (first, end_row) in intent.ranges.items():
                 tl = session.workers.get(worker_id)
@@ -317,6 +318,7 @@ class DatasetSink:
             lengths=np.concatenate(lengths),
             outcome=np.concatenate(outcomes),
             values={k: _joined(v) for k, v in values.items()},
+            roster=roster,
         )
         return episodes, fields
 
