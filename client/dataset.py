@@ -11,7 +11,9 @@ Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique acros
 (its place in join order on that node), ``env``, ``start`` (the episode's first step on the
 worker's time axis), ``step`` (within the episode), ``action``, ``reward`` (float32, as
 finish() returns it), ``done`` (true on an episode's last step), ``outcome`` (the episode's
-outcome code, on every row) and one column per recorded state field under its trajectory name.
+outcome code, on every row), ``store_trajectory`` (the episode's id in the node's trajectory
+store, which the store's references name; -1 without one) and one column per recorded state
+field under its trajectory name.
 A field with trailing dimensions is a fixed-size list of the flattened step; each file's
 Parquet metadata (``rollout_recorder``) holds the dtypes and shapes to restore. Names starting
 with ``_`` are skipped by Parquet readers (Arrow, Spark, DuckDB globs of ``*.parquet``).
@@ -52,6 +54,7 @@ FIXED_COLUMNS = (
     "reward",
     "done",
     "outcome",
+    "store_trajectory",
 )
 _ORDER = ("node", "generation", "worker_index", "env", "start", "step")
 

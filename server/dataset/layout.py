@@ -86,6 +86,8 @@ class Episodes:
     """Per episode: its outcome code (the last non-zero code of its steps; 0 for none)."""
     values: dict[str, np.ndarray]
     """Per field column: (steps, *shape) values, episode after episode."""
+    store_ids: np.ndarray | None = None
+    """Per episode: its trajectory id in the session's store (-1: not there); None: none."""
     roster: list[tuple[str, int]] = field(default_factory=list)
     """Every worker the session held when the file was written, (id, worker_index) in join
     order: readers number workers as finish() does, those without an episode included."""
@@ -137,6 +139,10 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         if spec.column == "reward":
             columns["done"] = pa.array(done)
             columns["outcome"] = pa.array(episodes.outcome.astype(np.int8)[rows])
+            store = episodes.store_ids
+            if store is None:
+                store = np.full(count, -1, dtype=np.int64)
+            columns["store_trajectory"] = pa.array(store.astype(np.int64)[rows])
     meta = {
         "layout": layout.LAYOUT_VERSION,
         "session": episodes.session,
@@ -168,7 +174,7 @@ def versions() -> dict[str, str]:
     return {"rollout_recorder": __version__, "pyarrow": pa.__version__}
 
 
-_INDEXED = ["generation", "worker_index", "env", "start", "step", "outcome"]
+_INDEXED = ["generation", "worker_index", "env", "start", "step", "outcome", "store_trajectory"]
 
 
 def parquet_bytes(table: Any) -> bytes:
@@ -249,6 +255,7 @@ def describe(
             "reward": "the reward (float32)",
             "done": "true on the episode's last step",
             "outcome": "the episode's outcome code (EpisodeOutcome; 0: none)",
+            "store_trajectory": "the episode's id in its node's trajectory store (-1: none)",
             "<state field>": "one column per recorded state field, by trajectory name",
         },
         "versions": versions(),

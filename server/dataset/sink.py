@@ -266,6 +266,8 @@ class DatasetSink:
 
     def _gather(self, session: Any, intent: Intent) -> tuple[layout.Episodes, list]:
         """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
+        session.drain()  # the store's ids of these episodes are known once it is fed
+        with_store = session.processor.store is not None
         with session.lock:
             fields = layout.field_specs(dict(session.schema), session.config.state_fields)
             roster = [(w, tl.index) for w, tl in session.workers.items()]
@@ -280,15 +282,20 @@ class DatasetSink:
                         f"worker {worker_id!r}: rows {first}..{end_row} of a logged dataset "
                         f"write are not held (it holds {first + env.size})"
                     )
+                ids = None
+                if with_store:
+                    known = session.feeder.trajectory_id_table(tl.index)[first:end_row]
+                    ids = np.full(env.size, -1, dtype=np.int64)
+                    ids[: known.size] = known
                 lo, hi = int(start.min()), int(end.max())
                 chunks = tl.chunks
                 i = bisect.bisect_right(chunks, lo, key=lambda c: c.t0) - 1
                 j = bisect.bisect_left(chunks, hi, key=lambda c: c.t0)
-                parts.append((worker_id, tl.index, env, start, end, chunks[max(i, 0) : j]))
+                parts.append((worker_id, tl.index, env, start, end, chunks[max(i, 0) : j], ids))
         values: dict[str, list[np.ndarray]] = {f.column: [] for f in fields}
         worker_ids: list[str] = []
-        windex, envs, starts, lengths, outcomes = [], [], [], [], []
-        for worker_id, index, env, start, end, chunks in parts:
+        windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
+        for worker_id, index, env, start, end, chunks, ids in parts:
             n = end - start
             base = chunks[0].t0
             num_envs = chunks[0].arrays["done"].shape[1]
@@ -307,6 +314,7 @@ class DatasetSink:
             envs.append(env)
             starts.append(start)
             lengths.append(n)
+            store_ids.append(np.full(env.size, -1, dtype=np.int64) if ids is None else ids)
         episodes = layout.Episodes(
             node=self.node,
             session=session.name,
@@ -318,6 +326,7 @@ class DatasetSink:
             lengths=np.concatenate(lengths),
             outcome=np.concatenate(outcomes),
             values={k: _joined(v) for k, v in values.items()},
+            store_ids=np.concatenate(store_ids),
             roster=roster,
         )
         return episodes, fields

@@ -140,6 +140,8 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
         tails = session.feeder.state()
         if tl.index in tails:
             entry["feeder"] = {k: blobs.array(v) for k, v in tails[tl.index].items()}
+        if session.processor.store is not None:
+            entry["trajectory_ids"] = blobs.array(session.feeder.trajectory_id_table(tl.index))
         workers.append(entry)
     store_blob = None
     file = session.processor.trajectory_store_checkpoint_file(False, checkpoint_step=0)
@@ -405,6 +407,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
     session.chunks_stored = values["chunks_stored"]
     session.chunks_dropped = values["chunks_dropped"]
     tails = {}
+    trajectory_ids: dict[int, np.ndarray] = {}
     entries = [_dict(w, "state.workers[]") for w in _list(meta["workers"], "state.workers")]
     workers = sorted(entries, key=lambda w: _count(w["index"], "workers.index"))
     indexes = [w["index"] for w in workers]
@@ -502,6 +505,14 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         tl.chunks_dropped = _count(entry["chunks_dropped"], "chunks_dropped")
         if "feeder" in entry:
             tails[tl.index] = _feeder(entry["feeder"], blobs, f"{what}.feeder", n)
+        if "trajectory_ids" in entry:
+            ids = _array(entry["trajectory_ids"], blobs, f"{what}.trajectory_ids", "<i8")
+            if ids.ndim != 1 or ids.size > env.size or (ids.size and ids.min() < -1):
+                raise SnapshotError(
+                    f"{what}.trajectory_ids: expected at most {env.size} ids >= -1 (one per "
+                    "finished episode)"
+                )
+            trajectory_ids[tl.index] = ids
     try:
         session.processor.load_state_dict(meta["capture_runtime"])
     except ValueError as exc:
@@ -518,6 +529,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         except ValueError as exc:
             raise SnapshotError(f"state.store: {exc}") from None
     session.feeder.restore(tails, list(session.workers.values()))
+    session.feeder.trajectory_ids = {i: [ids] for i, ids in trajectory_ids.items()}
     if "dataset" in meta:  # a state from before the dataset sink has none
         try:
             session.dataset = DatasetCursor.from_state(meta["dataset"])

@@ -88,6 +88,8 @@ class _Closed:
     part: Part | None
     step_after: int
     """The session's env steps after this chunk: the step its episodes' metrics carry."""
+    first_id: int | None = None
+    """The store's trajectory id of this chunk's first kept episode, once recorded."""
 
 
 class EpisodeFeeder:
@@ -126,6 +128,11 @@ class EpisodeFeeder:
                 name = spec.state_field
                 self._needs |= {f"state:{name}", f"state:{STATE_ALIASES.get(name, name)}"}
         self.truncated_episodes = 0
+        # Per worker index: the store's trajectory id of each finished episode, in the order
+        # of the worker's episode table (-1: not in the store), so that the dataset can name
+        # the episodes the store's references point at.
+        self.trajectory_ids: dict[int, list[np.ndarray]] = {}
+        self._ids_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"feeder-{session}", daemon=True)
         self._thread.start()
 
@@ -159,6 +166,18 @@ class EpisodeFeeder:
         self.drain()
         self._workers.clear()
         self._ring = Ring()
+        self.trajectory_ids.clear()
+
+    def trajectory_id_table(self, worker: int) -> np.ndarray:
+        """The store's trajectory id of each of a worker's finished episodes, in its episode
+        table's order (-1: not in the store); call drained."""
+        with self._ids_lock:
+            parts = self.trajectory_ids.get(worker)
+            if not parts:
+                return np.zeros(0, dtype=np.int64)
+            if len(parts) > 1:
+                parts[:] = [np.concatenate(parts)]
+            return parts[0]
 
     def close(self) -> None:
         self._queue.put(None)
@@ -249,6 +268,8 @@ class EpisodeFeeder:
             except Exception:
                 self._failed()
         recorded = self._record([c for c in closed if c.item.env.size])
+        if self.store is not None:
+            self._note_ids(items, closed)
         labels = {"session": self.session}
         for c in recorded:
             # Every episode reaches the histograms and the sinks' summaries, stamped with the
@@ -265,6 +286,21 @@ class EpisodeFeeder:
                 worker = self._workers.get(index)
                 if worker is not None:
                     worker.held.trim(worker.oldest_open, self.max_tail_bytes)
+
+    def _note_ids(self, items: list[ChunkEpisodes], closed: list[_Closed]) -> None:
+        """Append each chunk's episodes' store ids to its worker's table (-1 where a chunk
+        failed or an episode was too long for the store)."""
+        by_item = {id(c.item): c for c in closed}
+        for item in items:
+            if not item.env.size:
+                continue
+            ids = np.full(item.env.size, -1, dtype=np.int64)
+            c = by_item.get(id(item))
+            if c is not None and c.first_id is not None and c.part is not None:
+                kept = np.flatnonzero(c.part.kept)
+                ids[kept] = c.first_id + np.arange(kept.size)
+            with self._ids_lock:
+                self.trajectory_ids.setdefault(item.worker, []).append(ids)
 
     def _failed(self) -> None:
         logger.exception("session %r: episode processing failed", self.session)
@@ -389,4 +425,8 @@ class EpisodeFeeder:
             codes = np.concatenate(outcomes)
         ring = self._ring
         window = EpisodeWindow(ring.columns, ring.rewards, rows, start, lengths, defer)
-        self.processor.record_episodes(window, steps, outcomes=codes)
+        first = self.processor.record_episodes(window, steps, outcomes=codes)
+        if first is not None:
+            for c, p in zip(closed, parts, strict=True):
+                c.first_id = first
+                first += int(p.rows.size)

@@ -39,6 +39,8 @@ import numpy as np
 
 from recorder_client.capture_types import TrajectoryTrainingConfiguration
 
+from ..durability.checkpoint import MAGIC as FRAME_MAGIC
+from ..durability.checkpoint import CheckpointError, decode_checkpoint
 from .cells import key_bytes
 from .store import CHECKPOINT_FORMAT, decode_checkpoint_state, encode_checkpoint_state
 
@@ -156,10 +158,13 @@ def trajectory_source(state: Mapping[str, Any], trajectory_id: int) -> tuple[Mer
 
 
 def _parse(data: bytes | bytearray | memoryview, where: str, label: str | None) -> _Input:
-    """Decode and check one checkpoint (ValueError naming ``where``)."""
+    """Decode and check one checkpoint (ValueError naming ``where``): a store payload, or one
+    in the checksummed frame clients get it in (`trajectory_store_checkpoint_file`)."""
     try:
+        if bytes(data[: len(FRAME_MAGIC)]) == FRAME_MAGIC:
+            data = decode_checkpoint(data, source=where)
         state = decode_checkpoint_state(data)
-    except ValueError as exc:
+    except (ValueError, CheckpointError) as exc:
         raise ValueError(f"{where}: not a trajectory store checkpoint ({exc})") from None
     fmt = state.get("format")
     if fmt != CHECKPOINT_FORMAT:

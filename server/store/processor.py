@@ -128,9 +128,11 @@ class TrajectoryCaptureProcessor:
         *,
         outcomes: Sequence[EpisodeOutcome | int | str] | np.ndarray | EpisodeOutcome | int | str,
         start_references: Sequence[TrajectorySliceReference | None] | None = None,
-    ) -> None:
+    ) -> int | None:
         """Record several finished episodes: the batch twin of :meth:`record_episode`, with
         store contents and counters identical to calling it for each episode in order.
+        Returns the store's trajectory id of the first episode (the others follow it in
+        order), or None without a store.
 
         ``episodes`` is any EpisodeSource (an EpisodeWindow or EpisodeColumns fetch the full
         arrays only of the episodes the repository keeps: the cheapest forms) or a sequence
@@ -149,13 +151,16 @@ class TrajectoryCaptureProcessor:
                     f"start_references: expected None or {count} entries (one per episode)"
                 )
             midpoints = sum(r is not None for r in start_references)
+        first = None
         if self._store is None:
             codes = self._resolve_without_store(source, steps, outcomes)
         else:
-            codes = self._store.record(
+            result = self._store.record(
                 source, steps=steps, outcomes=outcomes, start_references=start_references
-            ).codes
+            )
+            codes, first = result.codes, result.first_trajectory_id
         self._count(count, int(source.offsets[-1]), codes, midpoints)
+        return first
 
     def _count(self, episodes: int, steps: int, codes: np.ndarray, midpoints: int) -> None:
         """Add recorded episodes to the capture counters (``codes``: their outcome codes)."""
