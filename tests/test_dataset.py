@@ -366,3 +366,55 @@ def test_serve_refuses_bad_dataset_flags(tmp_path: Path):
     ]:
         with pytest.raises(RecorderUnavailableError, match=message):
             ServerProcess(tmp_path / "data", "--dataset-uri", str(tmp_path / "d"), *flags)
+
+
+def test_sigterm_writes_what_is_left(tmp_path: Path):
+    uri = str(tmp_path / "dataset")
+    server = ServerProcess(
+        tmp_path / "data",
+        "--dataset-uri",
+        uri,
+        "--node-id",
+        "n1",
+        "--dataset-flush-seconds",
+        "3600",
+    )
+    try:
+        rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w")
+        record(rec, 0, range(15))
+        expected = rec.finish(pad_incomplete=False)
+        rec.close()
+        fs, root = filesystem(uri)
+        assert episode_files(fs, root) == []  # the interval has not come
+    finally:
+        assert server.stop() == 0
+    assert_identical(expected, read_episodes(uri, "s"))
+
+
+def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: Path, s3):
+    bucket = f"late-{random.getrandbits(32):08x}"
+    uri = f"s3://{bucket}/episodes"
+    options = ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
+    )
+    server = start_server(options)
+    try:
+        rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w")
+        record(rec, 0, range(15))  # ingest does not wait for the dataset
+        expected = rec.finish(pad_incomplete=False)
+
+        def failures() -> float:
+            return server.metrics.snapshot().get("Recorder/dataset_write_failures/session=s", 0)
+
+        assert wait_for(lambda: failures() >= 2, 20)
+        s3.make_bucket(bucket)
+        wait_written(uri, "s", expected.num_episodes, timeout=40)
+        assert_identical(expected, read_episodes(uri, "s"))
+        snapshot = server.metrics.snapshot()
+        assert snapshot["Recorder/dataset_episodes_written/session=s"] == expected.num_episodes
+        assert snapshot["Recorder/dataset_pending_episodes/session=s"] == 0
+        rec.close()
+    finally:
+        server.stop(grace=0)
