@@ -418,3 +418,50 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
         rec.close()
     finally:
         server.stop(grace=0)
+
+
+def test_every_dtype_and_trailing_shape_reads_back(tmp_path: Path):
+    """bool, float16, uint64, int8 of rank 3, a zero-size field, float64 actions of (P,), a
+    state named like a layout column (kept as state_step), through a file:// URI."""
+    uri = f"file://{tmp_path / 'dataset'}"
+    options = ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id="edge", flush_seconds=0.2),
+    )
+    fields = ("step", "flags", "half", "big", "empty", "map")
+    server = start_server(options)
+    try:
+        rec = RolloutRecorder(
+            record_states=True,
+            state_fields=fields,
+            target=server.address,
+            session="edge",
+            worker_id="w",
+        )
+        rng = np.random.default_rng(1)
+        for _ in range(6):
+            shape = (7, 2)
+            rec.record(
+                {
+                    "action": rng.random((*shape, 3)),
+                    "reward": rng.standard_normal(shape),  # float64: finish() gives float32
+                    "done": rng.random(shape) < 0.3,
+                },
+                {
+                    "step": rng.integers(0, 5, shape).astype(np.uint64),
+                    "flags": rng.random((*shape, 2, 2)) < 0.5,
+                    "half": rng.random((*shape, 3)).astype(np.float16),
+                    "big": rng.integers(-9, 9, (*shape, 2, 3, 2)).astype(np.int8),
+                    "empty": np.zeros((*shape, 0), np.float32),
+                    "map": rng.integers(0, 3, (*shape, 4, 4)).astype(np.uint8),
+                },
+            )
+        expected = rec.finish(pad_incomplete=False)
+        wait_written(uri, "edge", expected.num_episodes)
+        assert_identical(expected, read_episodes(uri, "edge"))
+        columns = set(open_dataset(uri).schema.names)
+        assert {"state_step", "step", "block_map", "flags", "half", "big", "empty"} <= columns
+        rec.close()
+    finally:
+        server.stop(grace=0)

@@ -165,6 +165,9 @@ def _arrow(values: np.ndarray, spec: FieldSpec) -> Any:
         return pa.array(values)
     size = int(np.prod(spec.shape, dtype=np.int64))
     flat = pa.array(values.reshape(-1))
+    if size == 0:  # Arrow has no fixed-size list of 0: a list that is always empty
+        offsets = pa.array(np.zeros(values.shape[0] + 1, dtype=np.int32))
+        return pa.ListArray.from_arrays(offsets, flat)
     return pa.FixedSizeListArray.from_arrays(flat, size)
 
 

@@ -304,7 +304,8 @@ class DatasetSink:
             flat = (np.arange(int(n.sum())) + offsets) * num_envs + np.repeat(env, n)
             for spec in fields:
                 src = _decoded(chunks, spec.key)
-                picked = np.take(src.reshape(-1, *src.shape[2:]), flat, axis=0)
+                rows = src.reshape(src.shape[0] * src.shape[1], *src.shape[2:])
+                picked = np.take(rows, flat, axis=0)
                 with np.errstate(over="ignore", invalid="ignore"):
                     values[spec.column].append(picked.astype(spec.dtype, copy=False))
             codes = np.take(_codes(chunks).reshape(-1), flat)

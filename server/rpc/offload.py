@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ..errors import ErrorKind, RequestError
+
 T = TypeVar("T")
 
 
@@ -71,9 +73,11 @@ class Offload:
 
         try:
             self._pool.submit(work)
-        except BaseException:
+        except BaseException as exc:
             self.in_flight -= 1
             slots.release()
+            if isinstance(exc, RuntimeError):  # the pool was shut down: the server is stopping
+                raise RequestError(ErrorKind.SHUTTING_DOWN, "the server is stopping") from None
             raise
         return await future
 
