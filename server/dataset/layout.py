@@ -225,6 +225,11 @@ def put_whole(fs: Any, path: str, data: bytes) -> None:
             os.close(fd)
     else:
         fs.pipe_file(path, data)  # one PUT: the object exists whole or not at all
+        # Committed only once the store lists it at its full size.
+        fs.invalidate_cache(directory)
+        size = fs.info(path).get("size")
+        if size != len(data):
+            raise OSError(f"{path}: the store holds {size} bytes after writing {len(data)}")
 
 
 def session_dir(root: str, session: str) -> str:
