@@ -38,8 +38,6 @@ Progress = Callable[[int, int], None]
 
 MINARI_HINT = "pip install 'rollout-recorder[minari]'"
 DEFAULT_FILE_BYTES = 64 << 20
-# Per-step bytes besides the fields (ids, indexes, step, done, outcome), as the sink counts.
-_ROW_OVERHEAD = 32
 _TO_STATE = {name: state for state, name in STATE_TO_TRAJECTORY.items()}
 
 
@@ -94,7 +92,7 @@ def write_parquet(
     names = list(trajectory.worker_ids)
     # A hand-made Trajectory may lack worker ids: its positions name the workers then.
     ids = [names[p] if p < len(names) else f"worker-{p}" for p in position.tolist()]
-    step_bytes = _ROW_OVERHEAD + sum(f.step_bytes for f in fields)
+    step_bytes = layout.ROW_OVERHEAD + sum(f.step_bytes for f in fields)
     written = 0
     ranges = _file_ranges(lengths * step_bytes, file_bytes)
     for seq, (lo, hi) in enumerate(ranges):

@@ -177,6 +177,9 @@ def versions() -> dict[str, str]:
     return {"rollout_recorder": __version__, "pyarrow": pa.__version__}
 
 
+# Per-step bytes besides the fields (ids, indexes, step, done, outcome) in a file's budget.
+ROW_OVERHEAD = 32
+
 _INDEXED = ["generation", "worker_index", "env", "start", "step", "outcome", "store_trajectory"]
 
 

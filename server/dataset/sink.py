@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_BACKOFF_S = 60.0
 WRITER_NICE = 10
-# Per-step bytes besides the fields (ids, indexes, step, done, outcome) in a file's budget.
-_ROW_OVERHEAD = 32
 
 
 def default_node_id() -> str:
@@ -218,9 +216,9 @@ class DatasetSink:
     def _step_bytes(self, session: Any) -> int:
         schema = session.schema
         if schema is None:
-            return _ROW_OVERHEAD
+            return layout.ROW_OVERHEAD
         specs = layout.field_specs(schema, session.config.state_fields)
-        return _ROW_OVERHEAD + sum(s.step_bytes for s in specs)
+        return layout.ROW_OVERHEAD + sum(s.step_bytes for s in specs)
 
     def _plan(self, session: Any) -> Intent | None:
         """The next file: finished episodes past the cursor, worker by worker, within
