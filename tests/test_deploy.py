@@ -1,4 +1,5 @@
-"""Deployment files cannot rot silently: docker-compose.yml and the Dockerfile.
+"""Deployment files cannot rot silently: docker-compose.yml, the Dockerfile, and the
+multi-node files deploy/compose.cluster.yml and deploy/kubernetes/daemonset.yaml.
 
 - docker-compose.yml is validated against the Compose specification's JSON
   schema (tests/compose/compose-spec.json, see tests/compose/README.md) and every
@@ -8,6 +9,15 @@
 - The Dockerfile's filesystem steps that need no root (WORKDIR, COPY, the
   `pip install` RUN line) are replayed into a fresh virtualenv, and the
   installed `rollout-recorder` serves and answers its own HEALTHCHECK.
+- deploy/compose.cluster.yml is validated against the same schema, its required variables
+  and MinIO settings are checked, minio-init's script runs with a stand-in `mc`, and the
+  recorder (variables set to test values: a local directory, or an S3 server reached through
+  the AWS variables it passes through) and the trainer run as local processes; the episodes
+  must be in the dataset under the node id.
+- deploy/kubernetes/daemonset.yaml is parsed and checked for agreement (ports, probes,
+  volumes, variables, the stop deadline, the header's trainer snippet); the container's
+  command runs locally with the kubelet's values, its probes pass, and a trainer set up as
+  the header says records into it.
 """
 
 from __future__ import annotations
@@ -22,12 +32,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import jsonschema
 import pytest
 import yaml
 
-from recorder_client import AuthenticationError, RolloutRecorder
+from recorder_client import AuthenticationError, RolloutRecorder, open_dataset, read_episodes
 from recorder_client._credentials import TOKEN_ENV, TOKEN_FILE_ENV, make_channel
 from recorder_client._launch import ServerProcess
 from recorder_client._proto import recorder_pb2 as pb
@@ -365,3 +376,405 @@ def test_dockerfile_install_step_in_a_fresh_venv(dockerfile, tmp_path):
         assert out.stdout.startswith("SERVING")
     finally:
         assert server.stop() == 0
+
+
+# -- deploy/compose.cluster.yml: one node of a multi-node run --------------------------------
+CLUSTER_FILE = REPO / "deploy" / "compose.cluster.yml"
+MINIO_ENV = REPO / "deploy" / "minio.env"
+AWS_PASSED = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+)
+_VARIABLE = re.compile(r"\$(?:\$|\{(?P<name>\w+)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}|(?P<bare>\w+))")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict:
+    return yaml.safe_load(CLUSTER_FILE.read_text())
+
+
+def interpolate(value, shell: dict[str, str]):
+    """Compose's interpolation of every string in ``value``: $$, $VAR, ${VAR}, ${VAR:-x},
+    ${VAR-x}, ${VAR:?message} and ${VAR?message} (ValueError naming the variable)."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, shell) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, shell) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m["name"] or m["bare"], m["op"] or "", m["arg"]
+        current = shell.get(name)
+        missing = current is None or (current == "" and op.startswith(":"))
+        if op.endswith("-"):
+            return arg if missing else current
+        if op.endswith("?"):
+            if missing:
+                raise ValueError(f"required variable {name} is missing a value: {arg}")
+            return current
+        return current or ""
+
+    return _VARIABLE.sub(one, value)
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines, as `docker compose --env-file` reads them (comments and blanks skipped)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, sep, value = line.partition("=")
+            assert sep, f"{path}: not KEY=VALUE: {line!r}"
+            out[key] = value
+    return out
+
+
+def compose_environment(service: dict, shell: dict[str, str]) -> dict[str, str]:
+    """A service's environment as Compose sets it: NAME=VALUE entries as given, a bare NAME
+    (or a null value) passed through from the shell when the shell sets it."""
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(
+            item.split("=", 1) if "=" in item else (item, None) for item in environment
+        )
+    out = {}
+    for name, value in environment.items():
+        if value is None:
+            if name in shell:
+                out[name] = shell[name]
+        else:
+            out[name] = str(value)
+    return out
+
+
+def process_env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without tokens and AWS settings, plus ``extra``: a local process sees
+    only what the deployment file gives it."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (TOKEN_ENV, TOKEN_FILE_ENV) and not k.startswith("AWS_")
+    }
+    return {**env, **extra}
+
+
+def seconds(duration: str | int) -> float:
+    """A compose duration such as ``45s``, ``1m30s`` or a bare number of seconds."""
+    if isinstance(duration, int):
+        return float(duration)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def stop_takes_at_most(argv: list[str]) -> float:
+    """Seconds `serve` with these arguments may take to stop on SIGTERM (see cli/serve.py)."""
+    from recorder_server.cli.main import build_parser
+    from recorder_server.cli.serve import STOP_DEADLINE_S
+    from recorder_server.dataset.sink import DatasetOptions
+
+    args = build_parser().parse_args(argv)
+    total = args.grace + STOP_DEADLINE_S
+    if args.dataset_uri is not None:
+        total += DatasetOptions(uri=args.dataset_uri).stop_timeout
+    return total
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_cluster_compose_file_matches_the_compose_spec_schema(cluster):
+    validator = SpecValidator(json.loads(SCHEMA.read_text()))
+    for document in (cluster, interpolate(cluster, read_env_file(MINIO_ENV))):
+        errors = sorted(validator.iter_errors(document), key=lambda e: list(e.path))
+        assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_cluster_compose_needs_a_node_id_and_a_dataset_uri(cluster):
+    shell = read_env_file(MINIO_ENV)
+    interpolate(cluster, shell)
+    for name in ("RECORDER_NODE_ID", "RECORDER_DATASET_URI"):
+        for without in ({k: v for k, v in shell.items() if k != name}, {**shell, name: ""}):
+            with pytest.raises(ValueError, match=f"required variable {name}"):
+                interpolate(cluster, without)
+
+
+def test_cluster_compose_file_has_the_node_shape(cluster):
+    services = cluster["services"]
+    assert set(services) == {"recorder", "trainer", "minio", "minio-init"}
+    recorder, trainer = services["recorder"], services["trainer"]
+    assert (CLUSTER_FILE.parent / recorder["build"] / "Dockerfile").is_file()
+    assert "profiles" not in recorder and "profiles" not in trainer
+    assert services["minio"]["profiles"] == services["minio-init"]["profiles"] == ["minio"]
+    command = recorder["command"]
+    assert command[:2] == ["rollout-recorder", "serve"]
+    assert flag(command, "--dataset-uri").startswith("${RECORDER_DATASET_URI:?")
+    assert flag(command, "--node-id").startswith("${RECORDER_NODE_ID:?")
+    assert flag(command, "--data-dir") == "/data"
+    volume, _, mount = recorder["volumes"][0].partition(":")
+    assert mount == "/data" and volume in cluster["volumes"]  # a named volume: it outlives
+    # AWS settings pass through from the shell, unset when the shell has none.
+    assert set(AWS_PASSED) <= set(recorder["environment"])
+    port = flag(command, "--listen").rpartition(":")[2]
+    test = recorder["healthcheck"]["test"]
+    assert test[:4] == ["CMD", "rollout-recorder", "health", "--target"]
+    assert test[4] == f"127.0.0.1:{port}"
+    shell = read_env_file(MINIO_ENV)
+    argv = interpolate(command, shell)[1:]
+    assert seconds(recorder["stop_grace_period"]) > stop_takes_at_most(argv)
+    assert trainer["depends_on"] == {"recorder": {"condition": "service_healthy"}}
+    assert trainer["environment"]["ROLLOUT_RECORDER_TARGET"] == f"recorder:{port}"
+    assert trainer["environment"][TOKEN_FILE_ENV] == flag(command, "--token-file")
+    assert trainer["image"] == recorder["image"]
+    secret = CLUSTER_FILE.parent / cluster["secrets"]["recorder_token"]["file"]
+    assert secret.read_text().strip(), f"{secret} must hold a placeholder token"
+    # minio.env: MinIO's root user is the key pair the recorder sends, at the minio service.
+    minio = interpolate(services["minio"], shell)
+    assert minio["environment"]["MINIO_ROOT_USER"] == shell["AWS_ACCESS_KEY_ID"]
+    assert minio["environment"]["MINIO_ROOT_PASSWORD"] == shell["AWS_SECRET_ACCESS_KEY"]
+    endpoint = urlparse(shell["AWS_ENDPOINT_URL"])
+    assert endpoint.hostname == "minio" and endpoint.port == 9000
+    assert shell["RECORDER_DATASET_URI"].startswith("s3://")
+
+
+def test_cluster_compose_minio_init_creates_the_dataset_bucket(cluster, tmp_path):
+    """minio-init's script, run by /bin/sh with a stand-in `mc` that records its arguments."""
+    shell = read_env_file(MINIO_ENV)
+    init = interpolate(cluster["services"]["minio-init"], shell)
+    assert init["depends_on"] == {"minio": {"condition": "service_started"}}
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "mc"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:{os.environ['PATH']}", **compose_environment(init, shell)}
+    out = subprocess.run(init["entrypoint"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    bucket = urlparse(shell["RECORDER_DATASET_URI"]).netloc
+    user, password = shell["AWS_ACCESS_KEY_ID"], shell["AWS_SECRET_ACCESS_KEY"]
+    assert calls.read_text().splitlines() == [
+        f"alias set local {shell['AWS_ENDPOINT_URL']} {user} {password}",
+        f"mb --ignore-existing local/{bucket}",
+    ]
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_cluster_compose_services_run_as_local_processes(cluster, tmp_path, request, store):
+    """The recorder's command with test values for the variables (a local directory, or an S3
+    server reached through the passed-through AWS variables), its healthcheck, the trainer;
+    then every episode is in the dataset under the node id."""
+    shell = {"RECORDER_NODE_ID": "node-a"}
+    if store == "local":
+        uri = str(tmp_path / "dataset")
+    else:
+        s3 = request.getfixturevalue("s3")
+        uri = f"{s3.make_bucket('compose-cluster')}/run-1"
+        shell.update(s3.environment)
+    shell["RECORDER_DATASET_URI"] = uri
+    services = interpolate(cluster, shell)["services"]
+    token = (CLUSTER_FILE.parent / cluster["secrets"]["recorder_token"]["file"]).read_text()
+    secret = tmp_path / "secrets" / "recorder_token"
+    secret.parent.mkdir()
+    secret.write_text(token)
+    replace = {
+        "0.0.0.0:50051": "127.0.0.1:0",
+        "/data": str(tmp_path / "data"),
+        SECRET_DIR + "recorder_token": str(secret),
+    }
+
+    def env_of(service: dict) -> dict[str, str]:
+        given = compose_environment(service, shell)
+        return process_env({k: replace.get(v, v) for k, v in given.items()})
+
+    recorder, trainer = services["recorder"], services["trainer"]
+    if store == "s3":  # the recorder reaches S3 only through what compose passes through
+        assert {k: env_of(recorder)[k] for k in s3.environment} == s3.environment
+    server = ServerProcess(command=local_argv(recorder["command"], replace), env=env_of(recorder))
+    try:
+        replace["127.0.0.1:50051"] = replace["recorder:50051"] = server.address
+        assert "SERVING" in wait_healthy(recorder["healthcheck"]["test"], replace, env_of(recorder))
+        out = subprocess.run(
+            local_argv(trainer["command"], replace),
+            env=env_of(trainer),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "worker node-a-trainer-0: 20 chunks" in out.stdout, out.stdout
+    finally:
+        assert server.stop() == 0  # SIGTERM: the sidecar writes what it has left first
+    episodes = read_episodes(uri, "cluster")
+    assert episodes.num_episodes > 0
+    assert list(episodes.worker_ids) == ["node-a-trainer-0"]
+    assert set(open_dataset(uri).to_table(columns=["node"])["node"].to_pylist()) == {"node-a"}
+
+
+# -- deploy/kubernetes/daemonset.yaml: one sidecar per node -----------------------------------
+DAEMONSET_FILE = REPO / "deploy" / "kubernetes" / "daemonset.yaml"
+K8S_VARIABLE = re.compile(r"\$\((\w+)\)")
+
+
+@pytest.fixture(scope="module")
+def daemonset() -> dict:
+    documents = list(yaml.safe_load_all(DAEMONSET_FILE.read_text()))
+    assert len(documents) == 1, "one DaemonSet"
+    return documents[0]
+
+
+def recorder_container(daemonset: dict) -> dict:
+    [container] = daemonset["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def header_trainer_env() -> list[dict]:
+    """The trainer `env:` snippet in the file's header comment, parsed."""
+    lines, inside = [], False
+    for line in DAEMONSET_FILE.read_text().splitlines():
+        if line.startswith("#   env:"):
+            inside = True
+        elif inside and not line.startswith("#   "):
+            break
+        if inside:
+            lines.append(line[1:])
+    return yaml.safe_load("\n".join(lines))["env"]
+
+
+def image_uid(dockerfile: list[Instruction]) -> int:
+    [uid] = [
+        int(m.group(1))
+        for i in dockerfile
+        if i.keyword == "RUN"
+        for m in [re.search(r"useradd .*--uid (\d+)", i.args)]
+        if m
+    ]
+    return uid
+
+
+def test_daemonset_is_coherent(daemonset, dockerfile):
+    from recorder_server.cli.main import build_parser
+
+    assert (daemonset["apiVersion"], daemonset["kind"]) == ("apps/v1", "DaemonSet")
+    spec = daemonset["spec"]
+    template = spec["template"]
+    assert spec["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    assert spec["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0  # one pod per directory
+    pod = template["spec"]
+    container = recorder_container(daemonset)
+    argv = container["command"] + container["args"]
+    assert argv[:2] == ["rollout-recorder", "serve"]
+    args = build_parser().parse_args(argv[1:])
+    host, _, port = args.listen.rpartition(":")
+    assert host == "0.0.0.0"
+    [grpc_port] = container["ports"]
+    assert grpc_port["containerPort"] == grpc_port["hostPort"] == int(port)
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container[name]
+        command = probe["exec"]["command"]
+        assert command[:4] == ["rollout-recorder", "health", "--target", f"127.0.0.1:{port}"]
+        assert float(flag(command, "--timeout")) < probe["timeoutSeconds"], name
+
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert args.node_id == "$(NODE_NAME)"
+    assert args.dataset_uri == "$(RECORDER_DATASET_URI)"
+    assert env["RECORDER_DATASET_URI"]["value"].startswith("s3://")
+    for arg in argv:
+        for name in K8S_VARIABLE.findall(arg):
+            assert name in env, f"{arg}: ${name} is not in the container's env"
+    assert [e["secretRef"]["name"] for e in container["envFrom"]] == ["rollout-recorder-aws"]
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    data = mounts[args.data_dir]
+    assert data["hostPath"]["type"] == "DirectoryOrCreate"  # outlives the pod (see header)
+    token_dir, _, key = args.token_file.rpartition("/")
+    assert "secretName" in mounts[token_dir]["secret"] and key
+    uid = image_uid(dockerfile)
+    assert container["securityContext"]["runAsUser"] == uid
+    [init] = pod["initContainers"]
+    assert init["command"] == ["chown", f"{uid}:{uid}", args.data_dir]
+    assert [m["name"] for m in init["volumeMounts"]] == [
+        m["name"] for m in container["volumeMounts"] if m["mountPath"] == args.data_dir
+    ]
+    assert pod["terminationGracePeriodSeconds"] > stop_takes_at_most(argv[1:])
+
+    # The header's trainer snippet reaches this port on its node, with this token.
+    trainer = {e["name"]: e for e in header_trainer_env()}
+    assert trainer["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    assert trainer["ROLLOUT_RECORDER_TARGET"]["value"] == f"$(HOST_IP):{port}"
+    assert trainer[TOKEN_FILE_ENV]["value"] == args.token_file
+
+
+def test_daemonset_container_runs_as_a_local_process(daemonset, tmp_path):
+    """The container's command with the kubelet's values (node name, volumes under tmp_path,
+    a local dataset), its probes, and a trainer configured as the header says."""
+    container = recorder_container(daemonset)
+    node = "node-b"
+    uri = str(tmp_path / "dataset")
+    values = {}
+    for e in container["env"]:
+        if "valueFrom" in e:
+            assert e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+            values[e["name"]] = node
+        else:
+            values[e["name"]] = e["value"]
+    values["RECORDER_DATASET_URI"] = uri
+    mounts = {m["mountPath"]: tmp_path / m["name"] for m in container["volumeMounts"]}
+    token = (REPO / "deploy" / "recorder_token.example").read_text().strip()
+
+    def local(arg: str) -> str:
+        arg = K8S_VARIABLE.sub(lambda m: values[m.group(1)], arg)
+        if arg == "0.0.0.0:50051":
+            return "127.0.0.1:0"
+        for path, directory in mounts.items():
+            if arg == path or arg.startswith(path + "/"):
+                return str(directory) + arg[len(path) :]
+        return arg
+
+    argv = [local(a) for a in container["command"] + container["args"]]
+    token_file = Path(flag(argv, "--token-file"))
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text(token + "\n")
+    server = ServerProcess(command=local_argv(argv, {}), env=process_env(values))
+    try:
+        address = server.address
+        for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = container[name]["exec"]["command"]
+            check = local_argv(command, {"127.0.0.1:50051": address})
+            out = subprocess.run(
+                check, env=process_env({}), capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0 and out.stdout.startswith("SERVING"), out.stdout
+        trainer = {}
+        for e in header_trainer_env():
+            if "valueFrom" in e:
+                assert e["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+                trainer[e["name"]] = "127.0.0.1"
+            else:
+                trainer[e["name"]] = local(K8S_VARIABLE.sub(lambda m: trainer[m[1]], e["value"]))
+        assert trainer["ROLLOUT_RECORDER_TARGET"] == "127.0.0.1:50051"
+        trainer["ROLLOUT_RECORDER_TARGET"] = address
+        out = subprocess.run(
+            local_argv(
+                ["rollout-recorder", "demo-worker", "--session", "k8s", "--worker-id", "t0"], {}
+            ),
+            env=process_env(trainer),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    finally:
+        assert server.stop() == 0  # SIGTERM: the sidecar writes what it has left first
+    episodes = read_episodes(uri, "k8s")
+    assert episodes.num_episodes > 0 and list(episodes.worker_ids) == ["t0"]
+    assert set(open_dataset(uri).to_table(columns=["node"])["node"].to_pylist()) == {node}
