@@ -39,6 +39,8 @@ METADATA_KEY = b"rollout_recorder"
 PARTITION = "session"
 DATASET_FILE = "_dataset.json"
 SESSION_FILE = "_session.json"
+# The sink's file names (recorder_server.dataset.layout.file_name).
+FILE_NAME = re.compile(r"part-(?P<node>.+)-g(?P<generation>\d+)-(?P<seq>\d+)\.parquet")
 
 # Every column the layout defines besides the state fields, in file order.
 FIXED_COLUMNS = (
@@ -233,9 +235,6 @@ def read_episodes(
     )
 
 
-_FILE = re.compile(r"part-(?P<node>.+)-g(?P<generation>\d+)-(?P<seq>\d+)\.parquet")
-
-
 def _rosters(
     dataset: Any, session: str, nodes: list[str] | None
 ) -> tuple[dict[str, list], dict[str, Any]]:
@@ -246,7 +245,7 @@ def _rosters(
     newest: dict[str, tuple[int, int, str]] = {}
     marker = f"/{PARTITION}={session}/"
     for path in dataset.files:
-        match = _FILE.fullmatch(path.rsplit("/", 1)[-1])
+        match = FILE_NAME.fullmatch(path.rsplit("/", 1)[-1])
         if marker not in f"/{path}" or match is None:
             continue
         node = match["node"]

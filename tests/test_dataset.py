@@ -7,7 +7,10 @@ time axis, so that each episode can be told apart across sidecars and checked.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -20,7 +23,7 @@ from conftest import RestartableServer, ServerProcess, wait_for
 
 from recorder_client import RolloutRecorder
 from recorder_client.dataset import episode_files, filesystem, open_dataset, read_episodes
-from recorder_client.errors import RecorderError, RecorderUnavailableError
+from recorder_client.errors import RecorderError
 from recorder_server import ServerOptions, start_server
 from recorder_server.dataset import layout
 from recorder_server.dataset.sink import DatasetOptions
@@ -221,7 +224,8 @@ def test_workers_without_a_finished_episode_keep_their_place(tmp_path: Path):
 
 def test_a_write_that_landed_without_its_commit_is_written_once(tmp_path: Path, monkeypatch):
     """A crash after a file is written but before its commit is logged: the restarted server
-    writes the same file again under the same name, and no episode appears twice."""
+    (under another --node-id, even) writes the same file again under the same name, and no
+    episode appears twice."""
     uri = str(tmp_path / "dataset")
     data = str(tmp_path / "data")
     options = ServerOptions(
@@ -251,12 +255,16 @@ def test_a_write_that_landed_without_its_commit_is_written_once(tmp_path: Path, 
     assert len(set(landed)) == 1  # every retry rewrote the one logged file
     monkeypatch.setattr(layout, "put_whole", real_put)
 
-    server = start_server(options)
+    renamed = dataclasses.replace(options.dataset, node_id="n2")
+    server = start_server(dataclasses.replace(options, dataset=renamed))
     try:
         wait_written(uri, "s", expected.num_episodes)
         fs, root = filesystem(uri)
-        assert set(landed) <= set(episode_files(fs, root))  # the same name, written again
-        assert_identical(expected, read_episodes(uri, "s"))
+        files = episode_files(fs, root)
+        assert set(landed) <= set(files)  # the same name, written again
+        assert all("part-n2-" in f for f in set(files) - set(landed))
+        got = read_episodes(uri, "s")
+        assert episodes_of(got) == episodes_of(expected)
     finally:
         server.stop(grace=0)
 
@@ -290,6 +298,35 @@ def test_reset_and_drop_write_every_finished_episode_first(tmp_path: Path):
         assert generations == {"0": first.num_episodes, "1": second.num_episodes}
     finally:
         server.stop(grace=0)
+
+
+def test_a_session_name_used_again_after_a_drop_keeps_the_first_ones_files(tmp_path: Path):
+    uri = str(tmp_path / "dataset")
+    options = ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=3600),
+    )
+    from recorder_client import drop_session
+
+    runs = []
+    for run in range(2):  # the second on a restarted server: nothing in memory says "again"
+        server = start_server(options)
+        try:
+            rec = RolloutRecorder(
+                record_states=True, target=server.address, session="s", worker_id="w"
+            )
+            record(rec, run, range(8))
+            runs.append(rec.finish(pad_incomplete=False))
+            rec.close()
+            drop_session(server.address, "s")
+        finally:
+            server.stop(grace=0)
+    both = open_dataset(uri).to_table(columns=["episode_id", "generation"])
+    assert both.num_rows == sum(int(r.lengths.sum()) for r in runs)
+    episodes = Counter(str(i) for i in both["episode_id"].unique().to_pylist())
+    assert len(episodes) == sum(r.num_episodes for r in runs)
+    assert set(both["generation"].to_pylist()) == {0, 1}
 
 
 def test_a_failing_dataset_refuses_drop_and_keeps_the_session(tmp_path: Path):
@@ -363,9 +400,18 @@ def test_serve_refuses_bad_dataset_flags(tmp_path: Path):
     for flags, message in [
         (["--node-id", "no/slash"], "--node-id: expected"),
         (["--dataset-flush-seconds", "0"], "--dataset-flush-seconds: expected seconds > 0"),
+        (["--dataset-file-mib", "0"], "--dataset-file-mib: expected at least 1 KiB"),
     ]:
-        with pytest.raises(RecorderUnavailableError, match=message):
-            ServerProcess(tmp_path / "data", "--dataset-uri", str(tmp_path / "d"), *flags)
+        done = subprocess.run(
+            [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
+            + ["--data-dir", str(tmp_path / "data"), "--dataset-uri", str(tmp_path / "d")]
+            + flags,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
 
 
 def test_sigterm_writes_what_is_left(tmp_path: Path):

@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from ..app import DEFAULT_LISTEN, ServerOptions, start_server
+from ..app import DEFAULT_LISTEN, RunningServer, ServerOptions, start_server
 from ..dataset.sink import DatasetOptions, default_node_id
 from ..durability import DurabilityOptions
 from ..durability.wal import WALError
@@ -42,7 +42,17 @@ def _watch_stdin(stop: threading.Event) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    options = ServerOptions(
+    try:
+        options = _options(args)
+        running = start_server(options)
+    except (OSError, ValueError, ImportError, WALError) as exc:
+        print(f"rollout-recorder: {exc}", file=sys.stderr)
+        return 2
+    return _serve_until_stopped(args, options, running)
+
+
+def _options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
         listen=args.listen,
         data_dir=args.data_dir,
         threads=args.threads,
@@ -87,11 +97,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file_bytes=int(args.dataset_file_mib * (1 << 20)),
         ),
     )
-    try:
-        running = start_server(options)
-    except (OSError, ValueError, ImportError, WALError) as exc:
-        print(f"rollout-recorder: {exc}", file=sys.stderr)
-        return 2
+
+
+def _serve_until_stopped(
+    args: argparse.Namespace, options: ServerOptions, running: RunningServer
+) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

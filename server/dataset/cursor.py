@@ -19,12 +19,16 @@ class Intent:
     generation: int
     ranges: dict[str, tuple[int, int]]
     """Worker id -> (first, end) rows of its episode table."""
+    node: str = ""
+    """The node id the file is named after (a write redone after a restart under another
+    --node-id keeps its first name); "" in records from before it was kept."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "seq": self.seq,
             "generation": self.generation,
             "ranges": {w: list(r) for w, r in self.ranges.items()},
+            "node": self.node,
         }
 
     @classmethod
@@ -37,10 +41,14 @@ class Intent:
             if first > end:
                 raise ValueError(f"dataset intent: range {pair} of {worker!r} is reversed")
             ranges[str(worker)] = (first, end)
+        node = value.get("node", "")
+        if not isinstance(node, str) or len(node) > 64:
+            raise ValueError(f"dataset intent: node: expected a node id, got {node!r}")
         return cls(
             _count(value["seq"], "dataset intent seq"),
             _count(value["generation"], "dataset intent generation"),
             ranges,
+            node,
         )
 
 
@@ -60,9 +68,19 @@ class DatasetCursor:
     """Worker id -> rows of its episode table committed to the dataset."""
     pending: Intent | None = None
     """A logged write whose commit is not (yet) logged."""
+    probed: bool = False
+    """Whether the dataset was searched for files an earlier session of this name left on
+    this node (not kept: redone after a restart until a write is logged)."""
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing of this session was written or logged yet."""
+        return not (self.probed or self.seq or self.written or self.pending)
 
     def intent(self, intent: Intent) -> None:
         self.pending = intent
+        # A generation chosen past an earlier session's files is in the log from here on.
+        self.generation = max(self.generation, intent.generation)
 
     def commit(self, seq: int) -> None:
         if self.pending is None or self.pending.seq != seq:

@@ -277,7 +277,8 @@ def require_minari() -> Any:
 @contextlib.contextmanager
 def _datasets_path(root: str | os.PathLike[str]) -> Iterator[None]:
     old = os.environ.get("MINARI_DATASETS_PATH")
-    os.environ["MINARI_DATASETS_PATH"] = os.fspath(root)
+    # Absolute: Minari joins the root with paths of its own, relative to other directories.
+    os.environ["MINARI_DATASETS_PATH"] = os.path.abspath(os.fspath(root))
     try:
         yield
     finally:

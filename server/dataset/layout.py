@@ -239,6 +239,9 @@ def session_dir(root: str, session: str) -> str:
     return f"{root}/{layout.PARTITION}={session}"
 
 
+FILE_NAME = layout.FILE_NAME
+
+
 def file_name(node: str, generation: int, seq: int) -> str:
     """Names sort in write order within a node (readers take the newest one's roster)."""
     return f"part-{node}-g{generation:06d}-{seq:010d}.parquet"

@@ -188,6 +188,14 @@ class DatasetSink:
             return
         state = self._states.setdefault(session.name, _State())
         state.steps_at_flush = session.env_steps
+        if session.dataset.fresh:
+            # A session of this name written here before (dropped, then joined again): its
+            # files keep their names, and this one starts past their generations.
+            after = self._next_generation(session.name)  # listed outside the session lock
+            with session.lock:
+                if session.dataset.fresh:
+                    session.dataset.generation = max(session.dataset.generation, after)
+                    session.dataset.probed = True
         while True:
             intent = session.dataset.pending
             if intent is None:
@@ -244,7 +252,17 @@ class DatasetSink:
                     break
             if not ranges:
                 return None
-            return Intent(cursor.seq, cursor.generation, ranges)
+            return Intent(cursor.seq, cursor.generation, ranges, self.node)
+
+    def _next_generation(self, session: str) -> int:
+        """One past the highest generation of this node's files of ``session`` (0: none)."""
+        directory = layout.session_dir(self.root, session)
+        found = -1
+        for path in client_dataset.episode_files(self.fs, directory):
+            match = layout.FILE_NAME.fullmatch(path.rsplit("/", 1)[-1])
+            if match is not None and match["node"] == self.node:
+                found = max(found, int(match["generation"]))
+        return found + 1
 
     def _write(self, session: Any, intent: Intent) -> None:
         episodes, fields = self._gather(session, intent)
@@ -254,7 +272,7 @@ class DatasetSink:
             self._described.add(session.name)
         table = layout.episode_table(episodes, fields, config)
         data = layout.parquet_bytes(table)
-        name = layout.file_name(self.node, intent.generation, intent.seq)
+        name = layout.file_name(intent.node or self.node, intent.generation, intent.seq)
         layout.put_whole(self.fs, f"{layout.session_dir(self.root, session.name)}/{name}", data)
         labels = {"session": session.name}
         self.metrics.inc("Recorder/dataset_files_written", 1, **labels)
@@ -315,7 +333,7 @@ class DatasetSink:
             lengths.append(n)
             store_ids.append(np.full(env.size, -1, dtype=np.int64) if ids is None else ids)
         episodes = layout.Episodes(
-            node=self.node,
+            node=intent.node or self.node,
             session=session.name,
             generation=intent.generation,
             worker_ids=worker_ids,
