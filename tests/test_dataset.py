@@ -8,11 +8,13 @@ time axis, so that each episode can be told apart across sidecars and checked.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -444,8 +446,15 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
         listen="127.0.0.1:0",
         data_dir=str(tmp_path / "data"),
         dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
+        http_listen="127.0.0.1:0",
     )
     server = start_server(options)
+
+    def shown() -> dict:  # what the dashboard's session page reads
+        url = f"http://{server.http_address}/api/sessions/s"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return json.loads(reply.read())["dataset"]
+
     try:
         rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w")
         record(rec, 0, range(15))  # ingest does not wait for the dataset
@@ -455,12 +464,19 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
             return server.metrics.snapshot().get("Recorder/dataset_write_failures/session=s", 0)
 
         assert wait_for(lambda: failures() >= 2, 20)
+        waiting = shown()
+        assert waiting["uri"] == uri and waiting["node"] == "n1"
+        assert waiting["write_failures"] >= 2 and waiting["episodes_written"] == 0
+        assert waiting["episodes_waiting"] == expected.num_episodes
         s3.make_bucket(bucket)
         wait_written(uri, "s", expected.num_episodes, timeout=40)
         assert_identical(expected, read_episodes(uri, "s"))
         snapshot = server.metrics.snapshot()
         assert snapshot["Recorder/dataset_episodes_written/session=s"] == expected.num_episodes
         assert snapshot["Recorder/dataset_pending_episodes/session=s"] == 0
+        done = shown()
+        assert done["episodes_written"] == expected.num_episodes
+        assert done["episodes_waiting"] == 0 and done["bytes_written"] > 0
         rec.close()
     finally:
         server.stop(grace=0)

@@ -5,6 +5,7 @@ A threaded wsgiref server on a thread of its own (standard library only). Routes
 - ``GET /``: the page (``static/index.html``; its script polls the API once a second);
 - ``GET /api/sessions``: every session's counters and current rates;
 - ``GET /api/sessions/NAME``: one session: workers, series over time, episode histograms,
+  the dataset sink's progress (``dataset``: null without one),
   the store's levels;
 - ``GET /api/sessions/NAME/archive``: the cell archive as columns (404 without a store);
 - ``GET /metrics``: the Prometheus exposition of the server's metrics;
@@ -25,6 +26,7 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from importlib import resources
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -290,8 +292,36 @@ class Dashboard:
             histograms,
             views.store_info(session.config.capture),
         )
+        body["dataset"] = self._dataset(session, snapshot)
         body["time"] = time.time()
         return _json("200 OK", body)
+
+    def _dataset(self, session, snapshot: Mapping[str, float]) -> dict[str, Any] | None:
+        """Where the session's episodes are written and how far (None without a sink)."""
+        sink = self._sessions.dataset
+        if sink is None:
+            return None
+        with session.lock:
+            cursor = session.dataset
+            written = sum(cursor.written.values())
+            finished = sum(tl.episodes_finished for tl in session.workers.values())
+            state = {"generation": cursor.generation, "files": cursor.seq}
+        prefix = "Recorder/dataset_"
+        suffix = f"/session={session.name}"
+        totals = {
+            k[len(prefix) : -len(suffix)]: v
+            for k, v in snapshot.items()
+            if k.startswith(prefix) and k.endswith(suffix)
+        }
+        return {
+            "uri": sink.options.uri,
+            "node": sink.node,
+            **state,
+            "episodes_written": written,
+            "episodes_waiting": max(0, finished - written),
+            "write_failures": int(totals.get("write_failures", 0)),
+            "bytes_written": int(totals.get("bytes_written", 0)),
+        }
 
     def _archive_json(self, name: str, query: dict[str, list[str]]) -> _Response:
         """All cells as columns; with ``?x=FIELD&y=FIELD``, binned over those two fields (what
