@@ -46,9 +46,19 @@ def _take(value: Any) -> Any:
         return value
     start_copy = getattr(value, "copy_to_host_async", None)
     if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
-        start_copy()
+        if not _on_cpu(value):
+            start_copy()
         return value
     return np.asarray(value)
+
+
+def _on_cpu(value: Any) -> bool:
+    """Whether a (JAX) device array lives on CPU devices only. Its buffer is host memory,
+    which the sender thread reads in place (np.asarray is a view), so no copy is started:
+    on CPU, copy_to_host_async() only cost the caller time (bench `latency_jax`: p99 from
+    0.3-2.9 ms down to 75-156 us, the slow calls waiting for the GIL inside it)."""
+    devices = getattr(getattr(value, "sharding", None), "device_set", None)
+    return bool(devices) and all(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class RolloutRecorder:
