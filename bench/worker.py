@@ -9,6 +9,8 @@ Modes:
   ray     a Ray actor wrapping the in-process factoriax recorder; done = every ref resolved
   raw     a generic gRPC bytes stream of the same uncompressed bytes; done = every ack read
   idle    `count` recorders with open streams and no data, until a line on stdin
+  fleet   `recorders` RolloutRecorders driven round-robin by one thread, each keeping at most
+          `window` chunks unacknowledged; reports every chunk's ack latency
 
 Protocol on stdout, one JSON object a line: {"event": "ready"} once the pool is
 generated and the connection is up, then (after a line on stdin)
@@ -250,7 +252,117 @@ def run_idle(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     return {"idle": len(recorders)}
 
 
-MODES = {"remote": run_remote, "ray": run_ray, "raw": run_raw, "idle": run_idle}
+def run_fleet(spec: dict[str, Any], pool: list) -> dict[str, Any]:
+    """``recorders`` workers of one session in this process (worker ids
+    ``{worker_id}-{j}``), driven round-robin by this thread: each records ``chunks``
+    chunks and keeps at most ``window`` of them unacknowledged.
+
+    A chunk's ack latency runs from its record() call to the first pass of this thread
+    that sees it acknowledged: `bytes_in_flight` (public, lock-free) fell by its bytes.
+    Acks arrive in order on a stream, and every chunk of the pool has the same size, so
+    that count names the chunk. A pass that recorded nothing and saw no ack sleeps
+    `poll_s`, which bounds the measurement's resolution.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from recorder_client import RolloutRecorder
+
+    sizes = {c.raw_bytes for c in pool}
+    if len(sizes) != 1:
+        raise ValueError(f"fleet: every chunk of the pool must have one size, got {sizes}")
+    chunk_bytes = sizes.pop()
+    count, n, window = int(spec["recorders"]), int(spec["chunks"]), int(spec["window"])
+    poll_s = float(spec.get("poll_s", 0.001))
+
+    def open_one(j: int) -> Any:
+        return RolloutRecorder(
+            record_states=True,
+            state_fields=list(pool[0].state_fields),
+            target=spec["target"],
+            session=spec["session"],
+            worker_id=f"{spec['worker_id']}-{j}",
+            connect_timeout=120,
+            compression_level=int(spec.get("compression_level", 1)),
+        )
+
+    with ThreadPoolExecutor(8) as threads:
+        recorders = list(threads.map(open_one, range(count)))
+    rss_ready = maxrss_bytes()
+    emit("ready", rss_ready=rss_ready)
+    wait_for_go()
+    recorded = [0] * count
+    acked = [0] * count
+    queued_at = [[0] * n for _ in range(count)]
+    record_ns: list[int] = []
+    ack_ns: list[int] = []
+    total = count * n
+    done = 0
+    cpu0 = cpu_s()
+    start = time.perf_counter_ns()
+    submitted = start
+    while done < total:
+        progressed = False
+        for j, rec in enumerate(recorders):
+            unacked, rest = divmod(rec.bytes_in_flight, chunk_bytes)
+            if rest:
+                raise RuntimeError(f"fleet: {rest} bytes in flight are not whole chunks")
+            seen = recorded[j] - unacked
+            if seen > acked[j]:
+                now = time.perf_counter_ns()
+                ack_ns.extend(now - queued_at[j][k] for k in range(acked[j], seen))
+                done += seen - acked[j]
+                acked[j] = seen
+                progressed = True
+            while recorded[j] < n and recorded[j] - acked[j] < window:
+                # Each recorder starts at its own place in the pool: its chunks are distinct.
+                c = pool[(j + recorded[j]) % len(pool)]
+                t0 = time.perf_counter_ns()
+                rec.record(c.rollout, c.states)
+                submitted = time.perf_counter_ns()
+                queued_at[j][recorded[j]] = t0
+                record_ns.append(submitted - t0)
+                recorded[j] += 1
+                progressed = True
+        if not progressed:
+            time.sleep(poll_s)
+    for rec in recorders:
+        rec.flush()  # already acknowledged: raises a refusal, if any
+    end = time.perf_counter_ns()
+    cpu = cpu_s() - cpu0
+    stats = [rec.stats for rec in recorders]
+    out = {
+        "start_ns": start,
+        "submitted_ns": submitted,
+        "acked_ns": end,
+        "end_ns": end,
+        "recorders": count,
+        "window": window,
+        "poll_s": poll_s,
+        "chunks": total,
+        "chunk_raw_bytes": chunk_bytes,
+        "raw_bytes": sum(s.raw_bytes for s in stats),
+        "wire_bytes": sum(s.wire_bytes for s in stats),
+        "chunks_acked": sum(s.chunks_acked for s in stats),
+        "dropped_in_flight": sum(s.chunks_dropped_in_flight for s in stats),
+        "record_latency": summarize_ns(record_ns),
+        "ack_latency": summarize_ns(ack_ns),
+        "ack_latency_us": [round(x / 1e3) for x in ack_ns],
+        "cpu_s": cpu,
+        "rss_ready": rss_ready,
+        "maxrss": maxrss_bytes(),
+    }
+    with ThreadPoolExecutor(8) as threads:
+        list(threads.map(lambda rec: rec.close(), recorders))
+    return out
+
+
+MODES = {
+    "remote": run_remote,
+    "ray": run_ray,
+    "raw": run_raw,
+    "idle": run_idle,
+    "fleet": run_fleet,
+}
 
 
 def main() -> int:
