@@ -472,3 +472,10 @@ def multi_worker_scenarios(
         style=draw(st.sampled_from(("attribute", "mapping"))),
         seed=layout["seed"],
     )
+
+
+# A store episode's step: two cell-key values and a reward, drawn from few values so that
+# episodes share cells and tie on return and step (the store's tie-breaks get exercised).
+store_step_st = st.tuples(
+    st.integers(-2, 2), st.integers(-3, 3), st.sampled_from([-1.0, -0.0, 0.0, 0.5, 1.0])
+)

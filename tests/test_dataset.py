@@ -113,6 +113,16 @@ def wait_written(uri: str, session: str, expected: int, timeout: float = 30.0) -
     )
 
 
+def sink_options(tmp_path: Path, uri: str, *, node: str = "n1", flush: float, **extra):
+    """An in-process server on a free port, its dataset sink writing to ``uri``."""
+    return ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id=node, flush_seconds=flush),
+        **extra,
+    )
+
+
 @pytest.fixture(params=["local", "s3"])
 def dataset_uri(request, tmp_path: Path) -> str:
     if request.param == "local":
@@ -122,11 +132,7 @@ def dataset_uri(request, tmp_path: Path) -> str:
 
 
 def test_four_workers_record_while_the_dataset_is_written(tmp_path: Path, dataset_uri: str):
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=dataset_uri, node_id="n1", flush_seconds=0.3),
-    )
+    options = sink_options(tmp_path, dataset_uri, flush=0.3)
     server = start_server(options)
     try:
         recs = [
@@ -196,11 +202,7 @@ def test_workers_without_a_finished_episode_keep_their_place(tmp_path: Path):
     """finish() numbers every worker the session holds; so does read_episodes (each file
     carries the roster), also for a worker that has not finished an episode yet."""
     uri = str(tmp_path / "dataset")
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
-    )
+    options = sink_options(tmp_path, uri, flush=0.2)
     server = start_server(options)
     try:
         kw = {"record_states": True, "target": server.address, "session": "s"}
@@ -229,12 +231,7 @@ def test_a_write_that_landed_without_its_commit_is_written_once(tmp_path: Path, 
     (under another --node-id, even) writes the same file again under the same name, and no
     episode appears twice."""
     uri = str(tmp_path / "dataset")
-    data = str(tmp_path / "data")
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=data,
-        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
-    )
+    options = sink_options(tmp_path, uri, flush=0.2)
     real_put = layout.put_whole
     landed: list[str] = []
 
@@ -273,12 +270,8 @@ def test_a_write_that_landed_without_its_commit_is_written_once(tmp_path: Path, 
 
 def test_reset_and_drop_write_every_finished_episode_first(tmp_path: Path):
     uri = str(tmp_path / "dataset")
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        # An interval no test waits for: only reset and drop write.
-        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=3600),
-    )
+    # An interval no test waits for: only reset and drop write.
+    options = sink_options(tmp_path, uri, flush=3600)
     server = start_server(options)
     try:
         rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w")
@@ -304,11 +297,7 @@ def test_reset_and_drop_write_every_finished_episode_first(tmp_path: Path):
 
 def test_a_session_name_used_again_after_a_drop_keeps_the_first_ones_files(tmp_path: Path):
     uri = str(tmp_path / "dataset")
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=3600),
-    )
+    options = sink_options(tmp_path, uri, flush=3600)
     from recorder_client import drop_session
 
     runs = []
@@ -334,11 +323,7 @@ def test_a_session_name_used_again_after_a_drop_keeps_the_first_ones_files(tmp_p
 def test_a_failing_dataset_refuses_drop_and_keeps_the_session(tmp_path: Path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the dataset directory should be")
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=str(blocker / "dataset"), node_id="n1", flush_seconds=3600),
-    )
+    options = sink_options(tmp_path, str(blocker / "dataset"), flush=3600)
     server = start_server(options)
     try:
         rec = RolloutRecorder(target=server.address, session="s", worker_id="w")
@@ -442,12 +427,7 @@ def test_sigterm_writes_what_is_left(tmp_path: Path):
 def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: Path, s3):
     bucket = f"late-{random.getrandbits(32):08x}"
     uri = f"s3://{bucket}/episodes"
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
-        http_listen="127.0.0.1:0",
-    )
+    options = sink_options(tmp_path, uri, flush=0.2, http_listen="127.0.0.1:0")
     server = start_server(options)
 
     def shown() -> dict:  # what the dashboard's session page reads
@@ -486,11 +466,7 @@ def test_every_dtype_and_trailing_shape_reads_back(tmp_path: Path):
     """bool, float16, uint64, int8 of rank 3, a zero-size field, float64 actions of (P,), a
     state named like a layout column (kept as state_step), through a file:// URI."""
     uri = f"file://{tmp_path / 'dataset'}"
-    options = ServerOptions(
-        listen="127.0.0.1:0",
-        data_dir=str(tmp_path / "data"),
-        dataset=DatasetOptions(uri=uri, node_id="edge", flush_seconds=0.2),
-    )
+    options = sink_options(tmp_path, uri, node="edge", flush=0.2)
     fields = ("step", "flags", "half", "big", "empty", "map")
     server = start_server(options)
     try:

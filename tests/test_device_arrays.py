@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_remote_basic import assert_same
 
 from recorder_client import RolloutRecorder, Trajectory
 
@@ -62,15 +63,6 @@ def record_all(target: str, session: str, chunks: list[tuple[dict, dict]]) -> Tr
         for traj, states in chunks:
             assert rec.record(traj, states)
         return rec.finish()
-
-
-def assert_same(a: Trajectory, b: Trajectory) -> None:
-    assert a.fields.keys() == b.fields.keys()
-    for name in a.fields:
-        x, y = a.fields[name], b.fields[name]
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        assert x.tobytes() == y.tobytes(), name
-    assert np.array_equal(a.lengths, b.lengths)
 
 
 @pytest.mark.parametrize("platform, copies", [("gpu", 1), ("tpu", 1), ("cpu", 0)])

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from store_helpers import WIN, episode
+from strategies import store_step_st
 
 from recorder_client.capture_types import (
     CellField,
@@ -54,11 +55,8 @@ CONFIGS = (
 )
 
 # Few cells and few reward values: cells shared between shards, ties on return and step.
-step_st = st.tuples(
-    st.integers(-2, 2), st.integers(-3, 3), st.sampled_from([-1.0, -0.0, 0.0, 0.5, 1.0])
-)
 episode_st = st.tuples(
-    st.lists(step_st, min_size=0, max_size=8), st.sampled_from(list(EpisodeOutcome))
+    st.lists(store_step_st, min_size=0, max_size=8), st.sampled_from(list(EpisodeOutcome))
 )
 
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from store_helpers import FORMS, as_form
+from strategies import store_step_st
 
 from recorder_client.capture_types import (
     CellField,
@@ -103,11 +104,8 @@ BATCH_CONFIGS = (
     ),
 )
 
-batch_step_st = st.tuples(
-    st.integers(-2, 2), st.integers(-3, 3), st.sampled_from([-1.0, -0.0, 0.0, 0.5, 1.0])
-)
 batch_episode_st = st.tuples(
-    st.lists(batch_step_st, min_size=0, max_size=10),
+    st.lists(store_step_st, min_size=0, max_size=10),
     st.sampled_from(list(EpisodeOutcome)),
     st.integers(0, 3),  # start: 0 none, 1 sampled from the store, 2 made up, 3 none
 )
