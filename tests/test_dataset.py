@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -503,3 +504,40 @@ def test_every_dtype_and_trailing_shape_reads_back(tmp_path: Path):
         rec.close()
     finally:
         server.stop(grace=0)
+
+
+def test_a_long_episode_is_gathered_one_decoded_chunk_at_a_time():
+    """Memory stays bounded: an episode spanning 100 chunks of 64 envs costs its own steps and
+    one decoded chunk, not the 100 chunks decoded at once."""
+    from conftest import core_chunk
+
+    from recorder_server.dataset.sink import _gather_steps
+    from recorder_server.episodes import StoredChunk
+
+    t_len, n, count = 64, 64, 100
+    chunks = []
+    for i in range(count):
+        arrays = {
+            "action": np.full((t_len, n), i, dtype=np.int64),
+            "reward": np.full((t_len, n), i, dtype=np.float64),
+            "done": np.zeros((t_len, n), dtype=bool),
+        }
+        chunks.append(StoredChunk(i * t_len, t_len, core_chunk(i + 1, arrays).arrays, 0))
+    fields = layout.field_specs(
+        {"action": (np.dtype(np.int64), ()), "reward": (np.dtype(np.float64), ())}, ()
+    )
+    lengths = np.array([t_len * count - 5])
+    tracemalloc.start()
+    try:
+        out, codes = _gather_steps(chunks, fields, np.array([3]), np.array([5]), lengths)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    steps = int(lengths[0])
+    assert (out["action"] == (np.arange(5, 5 + steps) // t_len)).all()
+    assert out["reward"].dtype == np.float32 and (codes == 0).all()
+    result = steps * (8 + 4 + 8)  # the two columns and the codes
+    bookkeeping = steps * 8 * 4  # time, env, order and index arrays
+    one_chunk = t_len * n * (8 + 8)
+    everything = count * one_chunk  # 6.6 MB: what decoding the span at once would take
+    assert peak < result + bookkeeping + 3 * one_chunk < everything / 4

@@ -313,18 +313,9 @@ class DatasetSink:
         windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
         for worker_id, index, env, start, end, chunks, ids in parts:
             n = end - start
-            base = chunks[0].t0
-            num_envs = chunks[0].arrays["done"].shape[1]
-            offsets = np.repeat(start - base - (np.cumsum(n) - n), n)
-            # One flat index per step into the (steps x envs) rows of the decoded chunks.
-            flat = (np.arange(int(n.sum())) + offsets) * num_envs + np.repeat(env, n)
+            picked, codes = _gather_steps(chunks, fields, env, start, n)
             for spec in fields:
-                src = _decoded(chunks, spec.key)
-                rows = src.reshape(src.shape[0] * src.shape[1], *src.shape[2:])
-                picked = np.take(rows, flat, axis=0)
-                with np.errstate(over="ignore", invalid="ignore"):
-                    values[spec.column].append(picked.astype(spec.dtype, copy=False))
-            codes = np.take(_codes(chunks).reshape(-1), flat)
+                values[spec.column].append(picked[spec.column])
             outcomes.append(_last_nonzero(codes, n))
             worker_ids.extend([worker_id] * env.size)
             windex.append(np.full(env.size, index, dtype=np.int64))
@@ -353,27 +344,37 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _decoded(chunks: list, key: str) -> np.ndarray:
-    """One field of consecutive chunks, decoded into one array (no join afterwards)."""
-    first = chunks[0].arrays[key]
-    out = np.empty((sum(c.length for c in chunks), *first.shape[1:]), dtype=first.dtype)
-    t = 0
-    for c in chunks:
-        c.arrays[key].decode_into(out[t : t + c.length], f"stored {key}")
-        t += c.length
-    return out
-
-
-def _codes(chunks: list) -> np.ndarray:
-    """The outcome codes of consecutive chunks (zeros where a chunk had none)."""
-    num_envs = chunks[0].arrays["done"].shape[1]
-    out = np.zeros((sum(c.length for c in chunks), num_envs), dtype=np.int64)
-    t = 0
-    for c in chunks:
-        if c.outcome is not None:
-            out[t : t + c.length] = c.outcome.decode()
-        t += c.length
-    return out
+def _gather_steps(
+    chunks: list, fields: list, env: np.ndarray, start: np.ndarray, lengths: np.ndarray
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Every step of the episodes (env, start, length), joined episode by episode, per field
+    column, and their outcome codes. Chunks are decoded one at a time (one chunk per field
+    in memory beside the result, however long the episodes)."""
+    total = int(lengths.sum())
+    t = np.arange(total) + np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+    e = np.repeat(env, lengths)
+    order = np.argsort(t, kind="stable")
+    edges = [c.t0 for c in chunks] + [chunks[-1].t0 + chunks[-1].length]
+    bounds = np.searchsorted(t[order], edges)
+    out = {f.column: np.empty((total, *f.shape), dtype=f.dtype) for f in fields}
+    codes = np.zeros(total, dtype=np.int64)
+    scratch: dict[str, np.ndarray] = {}
+    for i, chunk in enumerate(chunks):
+        rows = order[bounds[i] : bounds[i + 1]]
+        if not rows.size:
+            continue
+        ct, ce = t[rows] - chunk.t0, e[rows]
+        for spec in fields:
+            src = chunk.arrays[spec.key]
+            buf = scratch.get(spec.key)
+            if buf is None or buf.shape != src.shape:
+                buf = scratch[spec.key] = np.empty(src.shape, dtype=src.dtype)
+            src.decode_into(buf, f"stored {spec.key}")
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[spec.column][rows] = buf[ct, ce]
+        if chunk.outcome is not None:
+            codes[rows] = chunk.outcome.decode()[ct, ce]
+    return out, codes
 
 
 def _last_nonzero(codes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
