@@ -130,6 +130,20 @@ def test_the_cli_without_the_server_extra(bare_venv, tmp_path):
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "pip install 'rollout-recorder[dataset]'" in done.stderr
+    reader = subprocess.run(
+        [
+            str(bin_dir / "python"),
+            "-c",
+            "import recorder_client; recorder_client.read_episodes('d')",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert reader.returncode == 1 and "ImportError" in reader.stderr
+    assert "pip install 'rollout-recorder[dataset]'" in reader.stderr
     health = subprocess.run(
         [cli, "health", "--target", "127.0.0.1:1", "--timeout", "1"],
         cwd=tmp_path,
