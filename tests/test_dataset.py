@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -541,3 +542,36 @@ def test_a_long_episode_is_gathered_one_decoded_chunk_at_a_time():
     one_chunk = t_len * n * (8 + 8)
     everything = count * one_chunk  # 6.6 MB: what decoding the span at once would take
     assert peak < result + bookkeeping + 3 * one_chunk < everything / 4
+
+
+def test_writes_wait_for_a_gap_in_ingest_up_to_twice_the_interval(tmp_path: Path):
+    """Ingest first: while chunks keep arriving a due write waits (here a file's worth of
+    steps is due at every tick), but never past twice the interval; a gap lets it through."""
+    uri = str(tmp_path / "dataset")
+    options = ServerOptions(
+        listen="127.0.0.1:0",
+        data_dir=str(tmp_path / "data"),
+        dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=1.0, file_bytes=64 << 10),
+    )
+    server = start_server(options)
+    fs, root = filesystem(uri)
+    try:
+        rec = RolloutRecorder(record_states=True, target=server.address, session="s", worker_id="w")
+        index, deadline = 0, time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # a chunk every 20 ms: never a 0.2 s gap
+            record(rec, 0, range(index, index + 1))
+            index += 1
+            time.sleep(0.02)
+        written = sorted(os.path.getmtime(f) for f in episode_files(fs, root))
+        expected = rec.finish(pad_incomplete=False)
+        wait_written(uri, "s", expected.num_episodes, timeout=10)
+        # Flushes while recording (a flush writes its files within a few ms): 64 KiB of
+        # steps is due about every 0.4 s, so without waiting there would be about 7; waiting,
+        # only the one forced at twice the interval.
+        flushes = 1 + sum(b - a > 0.15 for a, b in zip(written, written[1:])) if written else 0
+        assert 1 <= flushes <= 2, written
+        assert len(episode_files(fs, root)) > len(written)  # the rest, once ingest stopped
+        assert_identical(expected, read_episodes(uri, "s"))
+        rec.close()
+    finally:
+        server.stop(grace=0)

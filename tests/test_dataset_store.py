@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_for
-from test_dataset import chunk
+from test_dataset import chunk, wait_written
 
 from recorder_client import (
     CellField,
@@ -18,7 +17,7 @@ from recorder_client import (
     TrajectoryTrainingConfiguration,
     UtilityConfig,
 )
-from recorder_client.dataset import open_dataset, read_episodes
+from recorder_client.dataset import open_dataset
 from recorder_server import ServerOptions, start_server
 from recorder_server.dataset.sink import DatasetOptions
 from recorder_server.store.merge import merge_checkpoints, trajectory_source
@@ -80,9 +79,7 @@ def test_best_references_of_one_store_and_of_a_merge_name_dataset_episodes(tmp_p
                 rec.record(arrays, states)
             rec.flush()
         expected = sum(r.finish(pad_incomplete=False).num_episodes for r in recs)
-        assert wait_for(
-            lambda: read_episodes(uri, "run").num_episodes == expected, timeout=30, interval=0.2
-        )
+        wait_written(uri, "run", expected)
         episodes = dataset_by_store_id(uri)
         assert (("node-a", -1) not in episodes) and (("node-b", -1) not in episodes)
 

@@ -248,7 +248,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="longest a finished episode waits to be written; default %(default)s",
+        help="how long a finished episode waits to be written; while chunks keep arriving, "
+        "writes wait for a gap in ingest, up to twice this; default %(default)s",
     )
     data.add_argument(
         "--dataset-file-mib",

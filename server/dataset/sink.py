@@ -5,7 +5,10 @@ The sink holds no copy of the data: a session keeps every chunk anyway, and the 
 episodes its cursor has not reached from there, one bounded file at a time, on its own thread.
 Ingest never waits for it. A failed write is retried with backoff and counted; what it would
 have written stays in the session, the log and its checkpoints until a write commits (see
-cursor.py), so a crash or an unreachable store delays episodes and loses none.
+cursor.py), so a crash or an unreachable store delays episodes and loses none. Ingest comes
+first: the writer runs at a lower CPU priority, and a write that falls due while chunks keep
+arriving waits for a gap (up to twice the flush interval), as between a training loop's
+collection phases.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _MAX_BACKOFF_S = 60.0
+# Ingest counts as busy while some session took a chunk (or a call) this recently: a write
+# that is due waits for such a gap, up to twice the flush interval.
+QUIET_S = 0.2
 WRITER_NICE = 10
 
 
@@ -59,7 +65,8 @@ class DatasetOptions:
     node_id: str = field(default_factory=default_node_id)
     """Prefix of this sidecar's episode ids and file names (unique per sidecar of a run)."""
     flush_seconds: float = 30.0
-    """Longest time a finished episode waits before it is written."""
+    """How long a finished episode waits before it is written; while chunks keep arriving,
+    the write waits for a gap in ingest, up to twice this."""
     file_bytes: int = 64 << 20
     """Raw bytes of episodes per file (a flush writes several when more are waiting)."""
     storage_options: dict = field(default_factory=dict)
@@ -147,9 +154,10 @@ class DatasetSink:
         while True:
             now = time.monotonic()
             live = self.sessions.all()
+            busy = any(now - s.last_used < QUIET_S for s in live)
             for session in live:
                 state = self._states.setdefault(session.name, _State())
-                if now < state.retry_at or not self._due(session, state, now):
+                if now < state.retry_at or not self._due(session, state, now, busy):
                     continue
                 try:
                     with session.dataset_lock:
@@ -167,10 +175,15 @@ class DatasetSink:
             if self._stop.wait(tick):
                 return
 
-    def _due(self, session: Any, state: _State, now: float) -> bool:
+    def _due(self, session: Any, state: _State, now: float, busy: bool) -> bool:
         if session.dataset.pending is not None or state.last_flush == 0.0:
             return True
-        if now - state.last_flush >= self.options.flush_seconds:
+        waited = now - state.last_flush
+        if waited >= 2 * self.options.flush_seconds:
+            return True  # however busy ingest is
+        if busy:
+            return False  # ingest first: the write waits for a gap
+        if waited >= self.options.flush_seconds:
             return True
         # Enough new steps for a whole file: write without waiting for the interval.
         steps = session.env_steps - state.steps_at_flush
