@@ -295,8 +295,9 @@ class DatasetSink:
 
     def _gather(self, session: Any, intent: Intent) -> tuple[layout.Episodes, list]:
         """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
-        session.drain()  # the store's ids of these episodes are known once it is fed
         with_store = session.processor.store is not None
+        if with_store:
+            session.drain()  # the store's ids of these episodes are known once it is fed
         with session.lock:
             fields = layout.field_specs(dict(session.schema), session.config.state_fields)
             roster = [(w, tl.index) for w, tl in session.workers.items()]
