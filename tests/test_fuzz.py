@@ -530,9 +530,9 @@ def mutate_array(draw, arr: pb.ArrayData) -> str:
         arr.raw_size = draw(st.sampled_from([0, 2**64 - 1, (math.prod(arr.shape) * 4) % 2**64]))
         return f"array shape {list(arr.shape)} raw_size {arr.raw_size}"
     if how == "raw-size":
-        arr.raw_size = draw(
-            st.sampled_from([0, 1, arr.raw_size + 1, max(arr.raw_size - 1, 0), *UINT64])
-        )
+        # raw_size may already be the largest uint64 (an earlier mutation of this array).
+        bigger = min(arr.raw_size + 1, 2**64 - 1)
+        arr.raw_size = draw(st.sampled_from([0, 1, bigger, max(arr.raw_size - 1, 0), *UINT64]))
         return f"array raw_size {arr.raw_size}"
     if how == "codec":
         arr.codec = draw(st.sampled_from([0, 3, 99, -1, 2**31 - 1, 3 - arr.codec]))
