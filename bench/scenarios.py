@@ -1411,4 +1411,16 @@ OPTIONAL_SCENARIOS: list[Scenario] = [
         serve_env={"MALLOC_MMAP_THRESHOLD_": "131072"},
         description="ingest, 4 workers, server with a fixed glibc mmap threshold",
     ),
+    # Diagnostic: faster zstd levels on the client (more bytes on the wire, less CPU on
+    # both sides); compare with ingest_4w (level 1).
+    *(
+        ingest_scenario(
+            f"ingest_4w_level_{name}",
+            workers=4,
+            compression_level=level,
+            compare_to="ingest_4w",
+            description=f"ingest, 4 workers, client zstd level {level}",
+        )
+        for name, level in (("m1", -1), ("m3", -3), ("m7", -7))
+    ),
 ]
