@@ -59,6 +59,20 @@ class PendingChunk:
     wire_bytes: int = 0
     # The chunk's layout, which fixes the worker's once the server stores it.
     schema: Any = None
+    # Its time steps, and its done flags: counted by record() for host arrays (before the
+    # sender threads wake), else at encoding or when asked.
+    length: int = 0
+    dones: int | None = None
+    # Whether `dones` was known when the chunk was queued (it is in the running sum).
+    dones_summed: bool = False
+
+    def count_dones(self) -> int:
+        if self.dones is None:
+            arrays = self.arrays
+            if arrays is not None:
+                self.dones = int(np.count_nonzero(_to_host(arrays["done"])))
+        # Encoding counts them before it lets the arrays go.
+        return self.dones if self.dones is not None else 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,8 @@ def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
     done = _to_host(arrays["done"])
     if done.dtype != np.bool_:
         done = done.astype(bool)
+    if item.dones is None:
+        item.dones = int(np.count_nonzero(done))
     chunk.done.CopyFrom(array_to_proto(done, level))
     if "outcome" in arrays:
         chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level))
@@ -133,6 +149,7 @@ class ChunkSender:
         reconnect_timeout: float,
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
         raise_data_loss: bool = True,
+        max_episodes: int | None = None,
     ) -> None:
         self._connection = connection
         self._on_stored = on_stored
@@ -156,8 +173,18 @@ class ChunkSender:
         # Whether the caller has seen _fatal (close() does not raise it a second time).
         self.fatal_reported = False
         self.stats = SenderStats()
-        self.is_full = False
-        self.num_recorded_steps = 0
+        self._max_episodes = max_episodes
+        # The session's counters as the server last sent them: (version, is_full,
+        # num_recorded_steps, episodes_finished), counting this worker's chunks up to
+        # _counted.
+        self._counters: tuple[int, bool, int, int] = (0, False, 0, 0)
+        self._counted = 0
+        # This worker's queued chunks those counters do not count yet, in sequence order,
+        # with their steps and known done flags summed.
+        self._uncounted: collections.deque[PendingChunk] = collections.deque()
+        self._uncounted_steps = 0
+        self._uncounted_dones = 0
+        self._uncounted_unknown = 0  # chunks whose done flags are not counted yet
         # The server's refusal while it has no space; cleared by the next ack.
         self._exhausted: RecorderError | None = None
         self._progress = True
@@ -183,8 +210,68 @@ class ChunkSender:
                 self._raise_fatal()
             self._in_flight += item.raw_bytes
             self._to_send.append(item)
+            self._count_later(item)
             self._cond.notify_all()
         return True
+
+    def _count_later(self, item: PendingChunk) -> None:
+        self._uncounted.append(item)
+        self._uncounted_steps += item.length
+        item.dones_summed = item.dones is not None
+        if item.dones_summed:
+            self._uncounted_dones += item.dones or 0
+        else:
+            self._uncounted_unknown += 1
+
+    def _count_through(self, through: int) -> None:
+        """The server's counters now count this worker's chunks up to `through`."""
+        if through < self._counted:  # a restarted server lost chunks: recount the queue
+            self._counted = through
+            self._uncounted.clear()
+            self._uncounted_steps = self._uncounted_dones = self._uncounted_unknown = 0
+            for items in (self._unacked.values(), self._to_send):
+                for item in items:
+                    if item.sequence > through:
+                        self._count_later(item)
+            return
+        self._counted = through
+        while self._uncounted and self._uncounted[0].sequence <= through:
+            item = self._uncounted.popleft()
+            self._uncounted_steps -= item.length
+            if item.dones_summed:
+                self._uncounted_dones -= item.dones or 0
+            else:
+                self._uncounted_unknown -= 1
+
+    def counters(self) -> tuple[bool, int]:
+        """(is_full, num_recorded_steps) once the server takes this worker's chunks that
+        its last counters do not count yet, as it would with no other worker sending."""
+        with self._cond:
+            _, full, steps, episodes = self._counters
+            limit = self._max_episodes
+            if limit is None:
+                return full, steps + self._uncounted_steps
+            if episodes >= limit:
+                return True, steps  # the session drops what follows
+            if not self._uncounted_unknown and episodes + self._uncounted_dones < limit:
+                return False, steps + self._uncounted_steps
+            for item in self._uncounted:  # the chunk that fills the session is kept whole
+                if episodes >= limit:
+                    break
+                steps += item.length
+                episodes += item.count_dones()
+            return episodes >= limit, steps
+
+    def take_counters(self, status: pb.StatusReply, through: int) -> None:
+        """Counters from a status reply, counting this worker's chunks up to `through`."""
+        with self._cond:
+            self._counters = (
+                status.counters_version,
+                status.is_full,
+                status.num_recorded_steps,
+                status.episodes_finished,
+            )
+            self._count_through(through)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every ack. While the server is out of space this raises its
@@ -241,7 +328,11 @@ class ChunkSender:
 
     # -- sender thread ---------------------------------------------------
     def _requests(self, generation: int) -> Iterator[pb.RecordRequest]:
-        yield pb.RecordRequest(open=pb.RecordOpen(session=self._session, worker_id=self._worker_id))
+        yield pb.RecordRequest(
+            open=pb.RecordOpen(
+                session=self._session, worker_id=self._worker_id, counters_updates=True
+            )
+        )
         while True:
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
@@ -308,6 +399,18 @@ class ChunkSender:
 
     def _on_ack(self, ack: pb.RecordAck) -> None:
         with self._cond:
+            if ack.counters_version >= self._counters[0]:
+                self._counters = (
+                    ack.counters_version,
+                    ack.is_full,
+                    ack.num_recorded_steps,
+                    ack.episodes_finished,
+                )
+            # A chunk answered is counted, or never will be (dropped, refused, a resend).
+            self._count_through(max(self._counted, ack.counted_through, ack.sequence))
+            if ack.sequence == 0:  # a counters update
+                self._cond.notify_all()
+                return
             item = self._unacked.pop(ack.sequence, None)
             if item is None:
                 return
@@ -327,8 +430,6 @@ class ChunkSender:
                 self.stats.wire_bytes += item.wire_bytes
                 if ack.result == pb.RecordAck.STORED:
                     self._on_stored(item)
-            self.is_full = ack.is_full
-            self.num_recorded_steps = ack.num_recorded_steps
             self._cond.notify_all()
 
     def _reconnect(self, err: grpc.RpcError | None, *, patient: bool = False) -> bool:
@@ -399,6 +500,10 @@ class ChunkSender:
             self._lost(last + 1, self._acked)
         with self._cond:
             self.stats.reconnects += 1
+            # The server (perhaps restarted) counts this worker's chunks up to `last`; its
+            # versions start again.
+            self._counters = (0, *self._counters[1:])
+            self._count_through(last)
             resend = [item for seq, item in self._unacked.items() if seq > last]
             for seq, item in list(self._unacked.items()):
                 if seq <= last:

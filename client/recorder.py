@@ -163,7 +163,9 @@ class RolloutRecorder:
                 reconnect_timeout=reconnect_timeout,
                 on_stored=self._stored,
                 raise_data_loss=on_data_loss == "raise",
+                max_episodes=self.max_episodes,
             )
+            self._sender.take_counters(self._joined.status, self._sequence)
         except BaseException:
             self._shutdown_transport()
             raise
@@ -193,6 +195,10 @@ class RolloutRecorder:
         # Waits for a server still starting, up to connect_timeout.
         reply = self._connection.connect("Join", request)
         self.worker_index = reply.worker_index
+        self._joined = reply
+        sender = getattr(self, "_sender", None)
+        if sender is not None:  # a rejoin: the server's counters count up to last_sequence
+            sender.take_counters(reply.status, reply.last_sequence)
         return int(reply.last_sequence)
 
     def _check_open(self) -> None:
@@ -225,7 +231,7 @@ class RolloutRecorder:
         chunk was queued: catching the exception never costs a chunk.
         """
         self._check_open()
-        if self._sender.is_full:
+        if self.max_episodes is not None and self._sender.counters()[0]:
             self._sender.stats.chunks_dropped_full += 1
             self._raise_async_errors()
             return False
@@ -249,7 +255,18 @@ class RolloutRecorder:
         raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1
-            item = PendingChunk(self._sequence, raw, arrays, schema=schema)
+            done = arrays["done"]
+            item = PendingChunk(
+                self._sequence,
+                raw,
+                arrays,
+                schema=schema,
+                length=int(done.shape[0]),
+                # Counted now, while the sender threads sleep (a device array: later).
+                dones=int(np.count_nonzero(done))
+                if self.max_episodes is not None and isinstance(done, np.ndarray)
+                else None,
+            )
             if not self._sender.submit(item, block=self._block):
                 self._sequence -= 1
                 self._raise_async_errors()
@@ -390,19 +407,21 @@ class RolloutRecorder:
 
     @property
     def is_full(self) -> bool:
-        """Whether the session's done count reached max_episodes (waits for in-flight chunks)."""
-        if self.max_episodes is None:
-            return False
-        if self._sender.is_full:
-            return True
-        self.flush()
-        return bool(self.status().is_full)
+        """Whether the session's done count reached max_episodes, answered here: see
+        num_recorded_steps for what it counts."""
+        return self.max_episodes is not None and self._sender.counters()[0]
 
     @property
     def num_recorded_steps(self) -> int:
-        """Sum of T over the session's stored chunks (waits for in-flight chunks)."""
-        self.flush()
-        return int(self.status().num_recorded_steps)
+        """Sum of T over the session's stored chunks, answered here without a server call.
+
+        It counts every chunk this worker recorded (before the server takes it, as it
+        will unless another worker fills the session first), and other workers' chunks as
+        of the server's last message to this worker: an ack, or an update the server sends
+        an idle stream within about 20 ms (more with many workers: README, "Semantics").
+        status() asks the server.
+        """
+        return self._sender.counters()[1]
 
     def finish(self, pad_incomplete: bool = True) -> Trajectory:
         """The padded trajectory of every episode in the session (does not clear).
@@ -436,8 +455,7 @@ class RolloutRecorder:
             "LoadRuntimeState", file_parts(self.session, f"{self.session}.state", bytes(state))
         )
         # This worker's place and sequence come from the loaded state now.
-        self._sequence = self._join(0)
-        self._sender.is_full = bool(self.status().is_full)
+        self._sequence = self._join(0)  # which also takes the loaded counters
 
     def checkpoint(self) -> str:
         """Ask the server to checkpoint every session now; returns the file's path."""
@@ -447,9 +465,8 @@ class RolloutRecorder:
     def reset(self) -> None:
         """Drop every stored chunk of the session; the configuration stays."""
         self.flush()
-        self._connection.call("Reset", pb.ResetRequest(session=self.session))
-        self._sender.is_full = False
-        self._sender.num_recorded_steps = 0
+        reply = self._connection.call("Reset", pb.ResetRequest(session=self.session))
+        self._sender.take_counters(reply.status, self._sequence)
         self._schema = None
         self._signature = None
 

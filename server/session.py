@@ -9,10 +9,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from recorder_client import _wire
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
@@ -50,6 +52,20 @@ def append(journal: Journal, record: list) -> None:
             ErrorKind.STORAGE,
             f"data directory: cannot append to the write-ahead log ({exc.strerror or exc})",
         ) from None
+
+
+# Counter versions grow over the whole process, so a newer snapshot of any session's
+# counters always has the higher version (a client keeps the highest it has seen).
+_VERSIONS = itertools.count(1)
+
+
+class Counters(NamedTuple):
+    """What the acks carry: the session's counters, and the version of this snapshot."""
+
+    version: int
+    is_full: bool
+    num_recorded_steps: int
+    episodes_finished: int
 
 
 class Applied(enum.Enum):
@@ -117,6 +133,8 @@ class Session:
         # Every worker whose chunks the session holds, and every active one, in join order.
         self.workers: dict[str, WorkerTimeline] = {}
         self.last_sequence: dict[str, int] = {}
+        # worker -> (sequence, counters version) of its last chunk the counters count.
+        self.counted: dict[str, tuple[int, int]] = {}
         self._worker_locks: dict[str, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
         self.joined_at: dict[str, float] = {}  # wall clock of each worker's first join
@@ -147,6 +165,25 @@ class Session:
         self.env_steps = 0
         self.chunks_stored = 0
         self.chunks_dropped = 0
+        self.publish_counters()
+
+    def publish_counters(self) -> None:
+        """Replace the counters snapshot (with the session lock held, or before any call)."""
+        self.counters = Counters(
+            next(_VERSIONS), self.is_full, self.num_recorded_steps, self.done_count
+        )
+
+    def counters_for(self, worker_id: str) -> tuple[Counters, int]:
+        """The counters snapshot and the last of this worker's stored chunks it counts.
+
+        Lock-free (the event loop asks): the worker's entry is read on both sides of the
+        snapshot, and read again if a chunk of its was counted in between.
+        """
+        while True:
+            before = self.counted.get(worker_id)
+            counters = self.counters
+            if self.counted.get(worker_id) is before:
+                return counters, 0 if before is None else before[0]
 
     def close(self) -> None:
         self.feeder.close()
@@ -336,6 +373,9 @@ class Session:
                     self.schema = decoded.schema
                 self.done_count += int(env.size)
                 self.num_recorded_steps += decoded.length
+                self.publish_counters()
+                # After the snapshot: whoever sees this entry sees a snapshot that counts it.
+                self.counted[worker_id] = (seq, self.counters.version)
                 self.chunks_stored += 1
                 steps_before = self.env_steps
                 self.env_steps += decoded.length * decoded.num_envs

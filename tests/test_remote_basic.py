@@ -9,6 +9,7 @@ import types
 import grpc
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from recorder_client import (
     InvalidChunkError,
@@ -313,12 +314,12 @@ def test_is_full_is_global_across_workers(target):
     with RolloutRecorder(max_episodes=3, target=target, session="g", worker_id="a") as a:
         with RolloutRecorder(max_episodes=3, target=target, session="g", worker_id="b") as b:
             a.record(chunk)
-            assert not b.is_full
-            b.record(chunk)  # 4 dones over both workers
-            assert b.is_full  # waits for b's chunk; a then sees the same global count
-            assert a.is_full
-            assert a.record(chunk) is True  # sent; the server drops it
             a.flush()
-            assert a.status().chunks_dropped == 1
-            assert not b.record(chunk)  # b already knows the session is full
+            b.record(chunk)  # 4 dones over both workers
+            assert wait_for(lambda: b.is_full, 1.0, 0.002)  # with b's ack, or an update before
+            assert wait_for(lambda: a.is_full, 1.0, 0.002)  # a hears of b's chunk
+            assert a.record(chunk) is False  # dropped in the client, as the server would
+            a.flush()
+            assert a.status().chunks_dropped == 0 and a.stats.chunks_dropped_full == 1
+            assert not b.record(chunk)
             assert b.finish().num_episodes == 3

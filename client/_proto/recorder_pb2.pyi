@@ -73,12 +73,14 @@ class JoinReply(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
 
 class RecordOpen(_message.Message):
-    __slots__ = ("session", "worker_id")
+    __slots__ = ("session", "worker_id", "counters_updates")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_UPDATES_FIELD_NUMBER: _ClassVar[int]
     session: str
     worker_id: str
-    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    counters_updates: bool
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., counters_updates: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("sequence", "action", "reward", "done", "states", "outcome")
@@ -105,7 +107,7 @@ class RecordRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[RecordOpen, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class RecordAck(_message.Message):
-    __slots__ = ("sequence", "result", "error_code", "error_message", "is_full", "num_recorded_steps")
+    __slots__ = ("sequence", "result", "error_code", "error_message", "is_full", "num_recorded_steps", "episodes_finished", "counters_version", "counted_through")
     class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RESULT_UNSPECIFIED: _ClassVar[RecordAck.Result]
@@ -124,13 +126,19 @@ class RecordAck(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     IS_FULL_FIELD_NUMBER: _ClassVar[int]
     NUM_RECORDED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     result: RecordAck.Result
     error_code: str
     error_message: str
     is_full: bool
     num_recorded_steps: int
-    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ...) -> None: ...
+    episodes_finished: int
+    counters_version: int
+    counted_through: int
+    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., counters_version: _Optional[int] = ..., counted_through: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("session", "pad_incomplete", "max_part_bytes")
@@ -245,7 +253,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., worker_index: _Optional[int] = ..., num_envs: _Optional[int] = ..., last_sequence: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., sequences_lost: _Optional[int] = ..., active: _Optional[bool] = ..., idle_seconds: _Optional[float] = ..., joined_unix: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers", "sequences_lost", "idle_seconds")
+    __slots__ = ("session", "config", "is_full", "num_recorded_steps", "episodes_finished", "chunks_stored", "chunks_dropped", "raw_bytes", "wire_bytes", "workers", "sequences_lost", "idle_seconds", "counters_version")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     IS_FULL_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +266,7 @@ class StatusReply(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_LOST_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_VERSION_FIELD_NUMBER: _ClassVar[int]
     session: str
     config: SessionConfig
     is_full: bool
@@ -270,7 +279,8 @@ class StatusReply(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     sequences_lost: int
     idle_seconds: float
-    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., sequences_lost: _Optional[int] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    counters_version: int
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., chunks_stored: _Optional[int] = ..., chunks_dropped: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., wire_bytes: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., sequences_lost: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., counters_version: _Optional[int] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ()

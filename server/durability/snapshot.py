@@ -406,6 +406,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
     session.env_steps = values["env_steps"]
     session.chunks_stored = values["chunks_stored"]
     session.chunks_dropped = values["chunks_dropped"]
+    session.publish_counters()
     tails = {}
     trajectory_ids: dict[int, np.ndarray] = {}
     entries = [_dict(w, "state.workers[]") for w in _list(meta["workers"], "state.workers")]

@@ -29,7 +29,7 @@ from ..chunks import (
 )
 from ..episodes import Assembly
 from ..errors import ErrorKind, RequestError, invalid
-from ..session import Applied
+from ..session import Applied, Counters, Session
 from ..sessions import ServiceLimits
 from ..store import EpisodeArrays
 
@@ -154,8 +154,22 @@ _ACK = {
 }
 
 
-def ack(sequence: int, applied: Applied | RequestError, is_full: bool, steps: int) -> pb.RecordAck:
-    reply = pb.RecordAck(sequence=sequence, is_full=is_full, num_recorded_steps=steps)
+def counters_update(counters: Counters, through: int, sequence: int = 0) -> pb.RecordAck:
+    """The session's counters for one worker's stream (sequence 0: answers no chunk)."""
+    return pb.RecordAck(
+        sequence=sequence,
+        is_full=counters.is_full,
+        num_recorded_steps=counters.num_recorded_steps,
+        episodes_finished=counters.episodes_finished,
+        counters_version=counters.version,
+        counted_through=through,
+    )
+
+
+def ack(
+    sequence: int, applied: Applied | RequestError, counters: Counters, through: int
+) -> pb.RecordAck:
+    reply = counters_update(counters, through, sequence)
     if isinstance(applied, RequestError):
         code, message, _ = status_of(applied)
         reply.result = pb.RecordAck.REJECTED
@@ -163,6 +177,14 @@ def ack(sequence: int, applied: Applied | RequestError, is_full: bool, steps: in
         reply.error_message = message
     else:
         reply.result = _ACK[applied]
+    return reply
+
+
+def session_status(session: Session) -> pb.StatusReply:
+    """The session's status, with the version of counters no newer than it holds."""
+    version = session.counters.version
+    reply = status_to_proto(session.status(), session.config)
+    reply.counters_version = version
     return reply
 
 

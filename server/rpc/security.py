@@ -175,7 +175,7 @@ def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return parse
 
 
-async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malformed) -> None:
+def _refusal(method: str, bad: _Malformed) -> RequestError:
     logger.warning(
         "refused %s: %d bytes that do not parse as %s (%s)",
         method,
@@ -183,20 +183,16 @@ async def _refuse(context: grpc.aio.ServicerContext, method: str, bad: _Malforme
         bad.message,
         bad.error,
     )
-    await _end(
-        context,
-        RequestError(
-            ErrorKind.INVALID,
-            f"request: expected a {bad.message} message, got {bad.size} bytes that do not "
-            "parse as one",
-        ),
+    return RequestError(
+        ErrorKind.INVALID,
+        f"request: expected a {bad.message} message, got {bad.size} bytes that do not parse as one",
     )
 
 
 def _checked_one(method: str) -> Callable[..., Awaitable[Any]]:
     async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Malformed):
-            await _refuse(context, method, request)
+            await _end(context, _refusal(method, request))
         return request
 
     return check
@@ -204,10 +200,12 @@ def _checked_one(method: str) -> Callable[..., Awaitable[Any]]:
 
 def _checked_stream(method: str) -> Callable[..., Awaitable[Any]]:
     async def check(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        # Raised, not aborted here: the task reading the stream may not be the one that
+        # writes to it, and only that one may end the call.
         async def each() -> AsyncIterator[Any]:
             async for request in requests:
                 if isinstance(request, _Malformed):
-                    await _refuse(context, method, request)
+                    raise _refusal(method, request)
                 yield request
 
         return each()
@@ -232,13 +230,19 @@ def _guarded_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMet
     if inspect.isasyncgenfunction(inner):
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async for reply in inner(await check(request, context), context):
-                yield reply
+            try:
+                async for reply in inner(await check(request, context), context):
+                    yield reply
+            except RequestError as exc:  # a malformed message in the request stream
+                await _end(context, exc)
 
     elif inspect.iscoroutinefunction(inner):
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            return await inner(await check(request, context), context)
+            try:
+                return await inner(await check(request, context), context)
+            except RequestError as exc:
+                await _end(context, exc)
 
     else:
         return handler

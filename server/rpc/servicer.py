@@ -38,6 +38,28 @@ DEFAULT_PART_BYTES = 4 << 20
 _WARM_UP_S = 30.0
 
 
+# Counters updates: every tick, a stream that has not heard its session's latest counters
+# and has had no message for a while gets them (acks bring them to busy streams). With many
+# streams each hears less often: a session sends at most about _PUSHES_PER_S of them.
+_PUSH_TICK_S = 0.02
+_PUSHES_PER_S = 250
+# Acks a stream may have waiting to be sent before it stops reading chunks.
+_ACKS_QUEUED = 64
+_END = object()
+
+
+class _Stream:
+    """One open Record stream: its outgoing messages and what it last heard."""
+
+    __slots__ = ("worker_id", "out", "heard", "last_sent")
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.out: asyncio.Queue[Any] = asyncio.Queue(_ACKS_QUEUED)
+        self.heard = 0  # the highest counters version sent
+        self.last_sent = time.monotonic()
+
+
 # Finish parts made per trip to the control pool: small parts (a few episodes of many
 # workers) go together, up to this many or this many raw bytes, so that the client can
 # decode one batch while the next is made.
@@ -66,6 +88,8 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         self.control = control
         self.limits = sessions.limits
         self._started = time.monotonic()
+        self._streams: dict[Session, set[_Stream]] = {}
+        self._push_timer: asyncio.TimerHandle | None = None
 
     # -- helpers ---------------------------------------------------------
     async def _abort(self, context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
@@ -92,7 +116,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         reply = pb.JoinReply(
             worker_index=session.workers[request.worker_id].index,
             last_sequence=held,
-            status=convert.status_to_proto(session.status(), session.config),
+            status=convert.session_status(session),
         )
         return session, reply
 
@@ -108,12 +132,12 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 await asyncio.sleep(0.05)
         return reply
 
-    def _open(self, request: pb.RecordRequest) -> tuple[Session, str]:
+    def _open(self, request: pb.RecordRequest) -> Session:
         if request.WhichOneof("kind") != "open":
             raise invalid("Record: expected `open` as the first message, got a chunk")
         session = self.sessions.get(request.open.session)
         session.worker(request.open.worker_id)
-        return session, request.open.worker_id
+        return session
 
     def _apply(self, session: Session, worker_id: str, msg: pb.Chunk) -> pb.RecordAck:
         began = time.perf_counter()
@@ -137,7 +161,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             session=session.name,
             worker=worker_id,
         )
-        return convert.ack(msg.sequence, applied, session.is_full, session.num_recorded_steps)
+        return convert.ack(msg.sequence, applied, *session.counters_for(worker_id))
 
     async def Record(
         self, request_iterator: AsyncIterator[pb.RecordRequest], context
@@ -145,15 +169,76 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
-        session, worker_id = await self._run(context, self._open, first)
-        async for request in request_iterator:
-            if request.WhichOneof("kind") != "chunk":
-                await self._abort(context, invalid("Record: expected a chunk, got `open` again"))
-            try:
-                reply = await self.ingest.run(self._apply, session, worker_id, request.chunk)
-            except Exception as exc:
-                await self._abort(context, exc)
-            yield reply
+        session = await self._run(context, self._open, first)
+        stream = _Stream(first.open.worker_id)
+        if first.open.counters_updates:
+            self._watch(session, stream)
+        reader = asyncio.ensure_future(self._take_chunks(request_iterator, session, stream))
+        try:
+            while True:
+                message = await stream.out.get()
+                if message is _END:
+                    return
+                if isinstance(message, Exception):
+                    await self._abort(context, message)
+                stream.heard = max(stream.heard, message.counters_version)
+                stream.last_sent = time.monotonic()
+                yield message
+        finally:
+            reader.cancel()
+            self._unwatch(session, stream)
+
+    async def _take_chunks(
+        self, request_iterator: AsyncIterator[pb.RecordRequest], session: Session, stream: _Stream
+    ) -> None:
+        """Apply a stream's chunks one after another, queueing each ack (or the error that
+        ends the stream) for Record to send."""
+        try:
+            async for request in request_iterator:
+                if request.WhichOneof("kind") != "chunk":
+                    raise invalid("Record: expected a chunk, got `open` again")
+                ack = await self.ingest.run(self._apply, session, stream.worker_id, request.chunk)
+                await stream.out.put(ack)
+        except Exception as exc:
+            await stream.out.put(exc)
+            return
+        await stream.out.put(_END)
+
+    def _watch(self, session: Session, stream: _Stream) -> None:
+        self._streams.setdefault(session, set()).add(stream)
+        if self._push_timer is None:
+            self._push_timer = asyncio.get_running_loop().call_later(
+                _PUSH_TICK_S, self._push_counters
+            )
+
+    def _unwatch(self, session: Session, stream: _Stream) -> None:
+        streams = self._streams.get(session)
+        if streams is not None:
+            streams.discard(stream)
+            if not streams:
+                del self._streams[session]
+
+    def _push_counters(self) -> None:
+        """Bring idle streams their session's latest counters (other workers' chunks, a
+        reset), so that is_full and num_recorded_steps answered in the client catch up.
+        Runs on the event loop every tick while any stream is open."""
+        now = time.monotonic()
+        for session, streams in self._streams.items():
+            latest = session.counters.version
+            quiet = max(_PUSH_TICK_S, len(streams) / _PUSHES_PER_S)
+            for stream in streams:
+                if stream.heard >= latest or now - stream.last_sent < quiet:
+                    continue
+                if stream.out.full():
+                    continue
+                counters, through = session.counters_for(stream.worker_id)
+                stream.out.put_nowait(convert.counters_update(counters, through))
+                stream.heard, stream.last_sent = counters.version, now
+        self._push_timer = None
+        if self._streams:
+            self._push_timer = asyncio.get_running_loop().call_later(
+                _PUSH_TICK_S, self._push_counters
+            )
 
     def _finish_parts(self, request: pb.FinishRequest):
         session = self.sessions.get(request.session)
@@ -190,14 +275,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         session = self.sessions.get(request.session)
         session.reset()
         logger.info("session %r reset", session.name)
-        return pb.ResetReply(status=convert.status_to_proto(session.status(), session.config))
+        return pb.ResetReply(status=convert.session_status(session))
 
     async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
         return await self._run(context, self._reset, request)
 
     def _status(self, name: str) -> pb.StatusReply:
         session = self.sessions.get(name)
-        return convert.status_to_proto(session.status(), session.config)
+        return convert.session_status(session)
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
         return await self._run(context, self._status, request.session)
@@ -280,7 +365,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         session = self.sessions.get(name)
         session.load_store_checkpoint(data, self.limits.max_upload_bytes)
         self._checkpoint_after_load()
-        return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
+        return pb.LoadReply(status=convert.session_status(session))
 
     async def LoadStoreCheckpoint(self, request_iterator, context) -> pb.LoadReply:
         name, data = await self._receive(request_iterator, context)
@@ -318,7 +403,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         except (CheckpointError, ValueError) as exc:
             raise invalid(f"runtime state: {exc}") from None
         self._checkpoint_after_load()
-        return pb.LoadReply(status=convert.status_to_proto(session.status(), session.config))
+        return pb.LoadReply(status=convert.session_status(session))
 
     async def LoadRuntimeState(self, request_iterator, context) -> pb.LoadReply:
         name, data = await self._receive(request_iterator, context)
