@@ -20,6 +20,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -408,8 +409,7 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
                 state_fields=list(STATE_FIELDS),
                 target=server.address,
                 session=session,
-                worker_id=session,
-                **kwargs,
+                **{"worker_id": session, **kwargs},
             )
 
         # Back-to-back, the cap far away: what the caller's thread pays per call.
@@ -445,6 +445,12 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
         rec.flush()
         out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.paced_sleep_s}
         rec.close()
+
+        # is_full and num_recorded_steps asked after each record(), as a training loop
+        # does, with max_episodes set (never reached) and 3 other workers recording.
+        out["counters"] = counters_latency(
+            lambda name, **kw: remote("counters", **{**kw, "worker_id": name}), pool, p
+        )
 
         # At the cap: max_bytes_in_flight of a few chunks, block (default) or drop.
         cap = chunk_bytes * p.cap_chunks
@@ -497,6 +503,73 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
         ref.record(c.rollout, c.states)
         lat.append(time.perf_counter_ns() - t0)
     out["inprocess_paced"] = latency_summary(lat)
+    ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS), max_episodes=10**9)
+    full, steps = [], []
+    for i in range(p.paced_calls):
+        c = pool[i % len(pool)]
+        ref.record(c.rollout, c.states)
+        t0 = time.perf_counter_ns()
+        ref.is_full  # noqa: B018
+        t1 = time.perf_counter_ns()
+        ref.num_recorded_steps  # noqa: B018
+        steps.append(time.perf_counter_ns() - t1)
+        full.append(t1 - t0)
+    out["inprocess_counters"] = {"is_full": latency_summary(full), "steps": latency_summary(steps)}
+    return out
+
+
+def counters_latency(make: Callable[..., Any], pool: list[Any], p: Params) -> dict[str, Any]:
+    """is_full / num_recorded_steps after each record(): paced (a 10 ms step) and
+    back-to-back, while 3 other workers of the session record."""
+    big = 10**9
+    rec = make("counters-0", max_episodes=big, max_bytes_in_flight=1 << 30)
+    others = [make(f"counters-{i}", max_episodes=big) for i in (1, 2, 3)]
+    stop = threading.Event()
+
+    def other(r: Any) -> None:
+        i = 0
+        while not stop.is_set():
+            c = pool[i % len(pool)]
+            r.record(c.rollout, c.states)
+            i += 1
+            time.sleep(p.paced_sleep_s)
+
+    threads = [threading.Thread(target=other, args=(r,), daemon=True) for r in others]
+    out: dict[str, Any] = {}
+    try:
+        for t in threads:
+            t.start()
+        for mode in ("paced", "back_to_back"):
+            full, steps = [], []
+            for i in range(p.paced_calls if mode == "paced" else p.latency_calls):
+                if mode == "paced":
+                    time.sleep(p.paced_sleep_s)
+                c = pool[i % len(pool)]
+                rec.record(c.rollout, c.states)
+                t0 = time.perf_counter_ns()
+                rec.is_full  # noqa: B018
+                t1 = time.perf_counter_ns()
+                rec.num_recorded_steps  # noqa: B018
+                steps.append(time.perf_counter_ns() - t1)
+                full.append(t1 - t0)
+            rec.flush()
+            out[mode] = {"is_full": latency_summary(full), "steps": latency_summary(steps)}
+        stop.set()
+        for t in threads:
+            t.join()
+        for r in others:
+            r.flush()
+        # Exact once the others' last chunks have reached this worker (an update).
+        truth = rec.status().num_recorded_steps
+        waited = time.perf_counter()
+        while rec.num_recorded_steps != truth and time.perf_counter() - waited < 5:
+            time.sleep(0.001)
+        out["caught_up_s"] = time.perf_counter() - waited
+        out["exact"] = rec.num_recorded_steps == truth
+    finally:
+        stop.set()
+        for r in [rec, *others]:
+            r.close()
     return out
 
 
@@ -526,6 +599,28 @@ def rows_latency(results: dict[str, dict[str, Any]]) -> list[Row]:
                     "lower",
                 )
             )
+    counters, ref_counters = r.get("counters"), r.get("inprocess_counters")
+    if counters and ref_counters:
+        for key, label in (
+            ("paced", "after each record(), 10 ms step between calls"),
+            ("back_to_back", "after each back-to-back record()"),
+        ):
+            for field, name in (("is_full", "is_full"), ("steps", "num_recorded_steps")):
+                ours = counters[key][field]
+                rows.append(
+                    Row(
+                        "counters",
+                        f"{name} p99 {label}, max_episodes set, 3 other workers recording "
+                        f"(n={ours['n']}; answered in the client; exact "
+                        f"{counters['caught_up_s'] * 1e3:.1f} ms after the last chunk: "
+                        f"{'yes' if counters['exact'] else 'NO'})",
+                        ours["p99_us"],
+                        ref_counters[field]["p99_us"],
+                        f"factoriax in-process {name}",
+                        "us",
+                        "lower",
+                    )
+                )
     block, drop = r["remote_cap_block"], r["remote_cap_drop"]
     cap_mb = block["max_bytes_in_flight"] / MB
     for stat in ("p50", "p99"):
@@ -707,6 +802,11 @@ def ingest_scenario(
         label = f"{workers} worker{'s' if workers > 1 else ''}"
         if pixels:
             label += f", pixel frames (T, {r.get('num_envs')}, 84, 84) uint8"
+        if capture:
+            label += ", trajectory store on (2 cell fields, 1 utility)"
+        if compression_level != 1:
+            wire = r.get("status", {}).get("wire_bytes", 0) / 1e6
+            label += f", client zstd level {compression_level} ({wire:.0f} MB on the wire)"
         if serve_args:
             label += f", serve {' '.join(serve_args)}"
         if dataset is not None:
