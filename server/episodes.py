@@ -147,9 +147,18 @@ class WorkerTimeline:
 
 
 def field_array(chunks: list[StoredChunk], key: str, until: int) -> np.ndarray:
-    """Decode and join one field over the chunks that begin before `until`."""
-    parts = [c.arrays[key].decode() for i, c in enumerate(chunks) if c.t0 < until or i == 0]
-    return np.concatenate(parts, axis=0)
+    """Decode and join one field over the chunks that begin before `until`, each chunk
+    straight into its place (no per-chunk arrays to join)."""
+    arrays = [c.arrays[key] for i, c in enumerate(chunks) if c.t0 < until or i == 0]
+    first = arrays[0]
+    out = np.empty((sum(a.shape[0] for a in arrays), *first.shape[1:]), dtype=first.dtype)
+    t = 0
+    for a in arrays:
+        # The session's schema keeps a field's dtype, N and trailing shape across chunks.
+        assert a.dtype == first.dtype and a.shape[1:] == first.shape[1:], key
+        a.decode_into(out[t : t + a.shape[0]], f"stored {key}")
+        t += a.shape[0]
+    return out
 
 
 @dataclass
@@ -219,11 +228,19 @@ class Assembly:
     def _gather(
         src: np.ndarray, env: np.ndarray, start: np.ndarray, lengths: np.ndarray, dtype: np.dtype
     ) -> np.ndarray:
-        # One slice per episode: faster here than a single fancy-indexed gather.
-        pieces = [
-            src[s : s + n, e] for e, s, n in zip(env.tolist(), start.tolist(), lengths.tolist())
-        ]
-        flat = np.concatenate(pieces) if pieces else src[:0, 0]
+        # One fancy-indexed gather of whole steps (one opaque item each; src is (T, N, ...),
+        # step t of env e is item t * N + e): measured faster than a slice per episode.
+        steps = np.arange(int(lengths.sum()), dtype=np.int64)
+        steps += np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+        steps *= src.shape[1]
+        steps += np.repeat(env, lengths)
+        step_bytes = src.dtype.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
+        if steps.size == 0 or step_bytes == 0:  # nothing to copy
+            flat = np.empty((steps.size, *src.shape[2:]), dtype=src.dtype)
+        else:
+            items = src.reshape(src.shape[0] * src.shape[1], step_bytes // src.dtype.itemsize)
+            picked = items.view(np.dtype((np.void, step_bytes)))[steps, 0]
+            flat = picked.view(src.dtype).reshape(steps.size, *src.shape[2:])
         # The cast (rewards -> float32) is the one assignment into the padded array does.
         with np.errstate(over="ignore", invalid="ignore"):
             return flat.astype(dtype, copy=False)
