@@ -17,6 +17,9 @@ from ._proto import recorder_pb2 as pb
 from .errors import RecorderError
 from .trajectory import Trajectory
 
+# Steps scattered per fancy-indexed copy (at least one row).
+_SCATTER_STEPS = 1 << 20
+
 
 class _Outputs:
     """The zeroed outputs of a header, and which of their rows have arrived."""
@@ -94,11 +97,22 @@ class _Outputs:
     def _scatter(self, out: np.ndarray, lo: int, hi: int, flat: np.ndarray) -> None:
         # One fancy-indexed copy of whole steps (one void item each) instead of a slice per
         # row: a step's destination is row * T_max + t. The rest of each row stays zero.
-        lengths = self.lengths[lo:hi]
-        firsts = np.cumsum(lengths) - lengths  # where each row's steps begin in `flat`
-        dest = np.arange(flat.shape[0], dtype=np.int64)
-        dest += np.repeat(np.arange(lo, hi, dtype=np.int64) * self.max_length - firsts, lengths)
-        _as_steps(out, 2)[dest] = _as_steps(flat, 1)
+        # Rows go in groups of about _SCATTER_STEPS steps, so that the index (8 bytes a step)
+        # stays small however large a part the server sends.
+        dst, src = _as_steps(out, 2), _as_steps(flat, 1)
+        before = int(self.ends[lo - 1]) if lo else 0  # steps of the rows before the part
+        while lo < hi:
+            first = int(self.ends[lo - 1]) if lo else 0
+            stop = int(np.searchsorted(self.ends, first + _SCATTER_STEPS, side="right"))
+            stop = min(hi, max(stop, lo + 1))
+            lengths = self.lengths[lo:stop]
+            starts = self.ends[lo:stop] - lengths - first  # each row's first step in the group
+            dest = np.arange(int(self.ends[stop - 1]) - first, dtype=np.int64)
+            dest += np.repeat(
+                np.arange(lo, stop, dtype=np.int64) * self.max_length - starts, lengths
+            )
+            dst[dest] = src[first - before : first - before + dest.size]
+            lo = stop
 
     def trajectory(self) -> Trajectory:
         if not self.seen.all():

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from recorder_client import _finish
 from recorder_client._finish import assemble
 from recorder_client._messages import array_to_proto
 from recorder_client._proto import recorder_pb2 as pb
@@ -58,7 +59,10 @@ def _stream() -> list[pb.FinishPart]:
     return parts
 
 
-def test_a_valid_stream_gives_the_padded_arrays():
+@pytest.mark.parametrize("group", [1 << 20, 4, 1])
+def test_a_valid_stream_gives_the_padded_arrays(monkeypatch, group):
+    # Small groups scatter a part's rows a few at a time (a row at a time for 1).
+    monkeypatch.setattr(_finish, "_SCATTER_STEPS", group)
     traj = assemble(_stream())
     expected = _padded()
     for got, want in zip((traj.actions, traj.rewards, traj.positions), expected):
