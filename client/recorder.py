@@ -18,8 +18,9 @@ import numpy as np
 from . import _wire
 from ._connection import Connection
 from ._credentials import PemSource
+from ._finish import assemble as _assemble
 from ._launch import EmbeddedServer
-from ._messages import array_from_proto, file_parts, join_parts, session_status
+from ._messages import file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
 from .capture import RemoteCapture
@@ -529,56 +530,6 @@ def _close_quietly(ref: weakref.ref[RolloutRecorder]) -> None:
             recorder.close(timeout=10)
         except Exception as exc:  # interpreter exit: report, never raise
             logger.warning("closing the recorder at exit: %s", exc)
-
-
-def _assemble(parts: Any) -> Trajectory:
-    """Decode the Finish stream straight into preallocated arrays."""
-    header: pb.FinishHeader | None = None
-    outputs: list[np.ndarray] = []
-    for part in parts:
-        if part.WhichOneof("kind") == "header":
-            header = part.header
-            lengths = np.asarray(header.lengths, dtype=np.int64)
-            outputs = [
-                np.zeros(tuple(f.shape), dtype=_wire.parse_dtype(f.dtype, f"fields[{f.name!r}]"))
-                for f in header.fields
-            ]
-            continue
-        if header is None:
-            raise RecorderError("Finish: the server sent data before the header")
-        ap = part.array
-        out = outputs[ap.field]
-        lo, hi = int(ap.row_start), int(ap.row_start) + int(ap.row_count)
-        if ap.field >= len(outputs) or hi > out.shape[0]:
-            raise RecorderError(
-                f"Finish: part for rows {lo}:{hi} of field {ap.field} is out of range"
-            )
-        flat = array_from_proto(ap.array, "Finish part")
-        row_lengths = lengths[lo:hi].tolist()
-        if flat.shape[0] != sum(row_lengths) or flat.dtype != out.dtype:
-            raise RecorderError(
-                f"Finish: part for rows {lo}:{hi}: expected {sum(row_lengths)} steps of "
-                f"{out.dtype}, got {flat.shape[0]} of {flat.dtype}"
-            )
-        offset = 0
-        for row, n in enumerate(row_lengths, lo):  # the rest of each row stays zero padding
-            out[row, :n] = flat[offset : offset + n]
-            offset += n
-    if header is None:
-        raise RecorderError("Finish: the server sent no header")
-    names = [f.name for f in header.fields]
-    states = {name: arr for name, arr in zip(names[2:], outputs[2:])}
-    return Trajectory(
-        outputs[0],
-        outputs[1],
-        states,
-        lengths=lengths,
-        episode_worker=np.asarray(header.workers, dtype=np.int64),
-        episode_env=np.asarray(header.envs, dtype=np.int64),
-        episode_start=np.asarray(header.starts, dtype=np.int64),
-        episode_done=np.asarray(header.done, dtype=bool),
-        worker_ids=list(header.worker_ids),
-    )
 
 
 __all__ = ["RolloutRecorder"]

@@ -7,8 +7,8 @@ from typing import Any
 
 from ._connection import Connection
 from ._credentials import PemSource
+from ._finish import assemble
 from ._proto import recorder_pb2 as pb
-from .recorder import _assemble
 from .trajectory import Trajectory
 
 
@@ -84,7 +84,7 @@ def fetch_episodes(
     )
     try:
         request = pb.FinishRequest(session=session, pad_incomplete=bool(pad_incomplete))
-        return _assemble(connection.download("Finish", request))
+        return assemble(connection.download("Finish", request))
     finally:
         connection.close()
 

@@ -66,16 +66,27 @@ class _Stream:
 _PARTS_PER_HOP = 64
 _RAW_PER_HOP = 1 << 20
 
+# A gathered part: (field index, first row, row count, real steps), not yet encoded.
+_Gathered = tuple[int, int, int, Any]
 
-def _take_parts(parts: Iterator[pb.FinishPart]) -> tuple[list[pb.FinishPart], bool]:
+
+def _take_parts(
+    parts: Iterator[pb.FinishPart | _Gathered],
+) -> tuple[list[pb.FinishPart | _Gathered], bool]:
     """The next parts (the header alone), and whether more may follow."""
     batch, raw = [], 0
     for part in parts:
         batch.append(part)
-        raw += part.array.array.raw_size
-        if part.HasField("header") or len(batch) == _PARTS_PER_HOP or raw >= _RAW_PER_HOP:
+        if isinstance(part, pb.FinishPart):
+            return batch, True
+        raw += part[3].nbytes
+        if len(batch) == _PARTS_PER_HOP or raw >= _RAW_PER_HOP:
             return batch, True
     return batch, False
+
+
+def _encode_parts(batch: list[pb.FinishPart | _Gathered]) -> list[pb.FinishPart]:
+    return [p if isinstance(p, pb.FinishPart) else convert.finish_part(*p) for p in batch]
 
 
 class RecorderServicer(pb_grpc.RecorderServicer):
@@ -240,7 +251,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 _PUSH_TICK_S, self._push_counters
             )
 
-    def _finish_parts(self, request: pb.FinishRequest):
+    def _finish_parts(self, request: pb.FinishRequest) -> Iterator[pb.FinishPart | _Gathered]:
         session = self.sessions.get(request.session)
         with session.lock:  # the ids as the plan numbers them
             plan = session.assemble(request.pad_incomplete)
@@ -249,22 +260,25 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         for index, spec in enumerate(plan.fields):
             for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
-                yield convert.finish_part(index, row_start, row_count, flat)
+                yield index, row_start, row_count, flat
 
     async def Finish(self, request: pb.FinishRequest, context) -> AsyncIterator[pb.FinishPart]:
-        # Parts are gathered and compressed on the control pool, the next batch while this
-        # one is sent.
+        # Two stages on the control pool: the next batch is gathered (decode, one fancy
+        # index) while this one is compressed (zstd releases the GIL), then sent. One after
+        # the other, the server was the slower end of finish() (bench: 0.23 s of server CPU
+        # against 0.17 s of client for the 21k-episode result).
         parts = await self._run(context, self._finish_parts, request)
         pending = asyncio.ensure_future(self.control.run(_take_parts, parts))
         try:
             while True:
                 try:
                     batch, more = await pending
+                    if more:
+                        pending = asyncio.ensure_future(self.control.run(_take_parts, parts))
+                    encoded = await self.control.run(_encode_parts, batch)
                 except Exception as exc:
                     await self._abort(context, exc)
-                if more:
-                    pending = asyncio.ensure_future(self.control.run(_take_parts, parts))
-                for part in batch:
+                for part in encoded:
                     yield part
                 if not more:
                     return
