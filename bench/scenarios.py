@@ -671,8 +671,10 @@ def ingest_scenario(
     references: tuple[tuple[str, str], ...] | None = None,
     rows: Callable[[dict[str, dict[str, Any]]], list[Row]] | None = None,
     dataset: str | None = None,
+    longer: int = 1,
 ) -> Scenario:
-    """`workers` processes record `ingest_chunks` chunks each into one session.
+    """`workers` processes record `ingest_chunks` chunks each into one session (`longer`
+    times as many: a longer timed run, for a small cost measured beside the same).
 
     `serve_args` / `serve_env`: extra flags / environment for this scenario's server;
     `compare_to`: another scenario whose MB/s is this row's reference; `idle_streams`:
@@ -745,6 +747,7 @@ def ingest_scenario(
                     compression_level=compression_level,
                     capture=capture,
                     pixels=pixels,
+                    **({"chunks": ctx.params.ingest_chunks * longer} if longer > 1 else {}),
                 )
                 for i in range(workers)
             ]
@@ -800,6 +803,8 @@ def ingest_scenario(
         if not r:
             return []
         label = f"{workers} worker{'s' if workers > 1 else ''}"
+        if longer > 1:
+            label += f", {r.get('chunks', 0) // workers} chunks each"
         if pixels:
             label += f", pixel frames (T, {r.get('num_envs')}, 84, 84) uint8"
         if capture:
@@ -1420,12 +1425,24 @@ SCENARIOS: list[Scenario] = [
         compare_to="ingest_4w",
         description="ingest, 4 workers, server keeping no metrics",
     ),
+    # The dashboard's cost is small beside a round's noise: both sides of it run 3 times
+    # longer, so that a run sees several polls and less of the start.
+    ingest_scenario(
+        "ingest_4w_no_metrics_long",
+        workers=4,
+        serve_args=("--no-metrics",),
+        longer=3,
+        compare_to="ingest_4w",
+        description="ingest, 4 workers, 3x the chunks, server keeping no metrics",
+    ),
     ingest_scenario(
         "ingest_4w_dashboard",
         workers=4,
         dashboard=True,
-        compare_to="ingest_4w_no_metrics",
-        description="ingest, 4 workers, metrics on and the dashboard polled once a second",
+        longer=3,
+        compare_to="ingest_4w_no_metrics_long",
+        description="ingest, 4 workers, 3x the chunks, metrics on and the dashboard polled "
+        "once a second",
     ),
     ingest_scenario(
         "ingest_4w_dataset_local",
