@@ -504,18 +504,25 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
         lat.append(time.perf_counter_ns() - t0)
     out["inprocess_paced"] = latency_summary(lat)
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS), max_episodes=10**9)
+    out["inprocess_counters"] = time_counters(ref, pool, p.paced_calls)
+    return out
+
+
+def time_counters(rec: Any, pool: list[Any], calls: int, sleep_s: float = 0.0) -> dict[str, Any]:
+    """is_full and num_recorded_steps, each timed right after a record()."""
     full, steps = [], []
-    for i in range(p.paced_calls):
+    for i in range(calls):
+        if sleep_s:
+            time.sleep(sleep_s)
         c = pool[i % len(pool)]
-        ref.record(c.rollout, c.states)
+        rec.record(c.rollout, c.states)
         t0 = time.perf_counter_ns()
-        ref.is_full  # noqa: B018
+        rec.is_full  # noqa: B018
         t1 = time.perf_counter_ns()
-        ref.num_recorded_steps  # noqa: B018
+        rec.num_recorded_steps  # noqa: B018
         steps.append(time.perf_counter_ns() - t1)
         full.append(t1 - t0)
-    out["inprocess_counters"] = {"is_full": latency_summary(full), "steps": latency_summary(steps)}
-    return out
+    return {"is_full": latency_summary(full), "steps": latency_summary(steps)}
 
 
 def counters_latency(make: Callable[..., Any], pool: list[Any], p: Params) -> dict[str, Any]:
@@ -539,21 +546,10 @@ def counters_latency(make: Callable[..., Any], pool: list[Any], p: Params) -> di
     try:
         for t in threads:
             t.start()
-        for mode in ("paced", "back_to_back"):
-            full, steps = [], []
-            for i in range(p.paced_calls if mode == "paced" else p.latency_calls):
-                if mode == "paced":
-                    time.sleep(p.paced_sleep_s)
-                c = pool[i % len(pool)]
-                rec.record(c.rollout, c.states)
-                t0 = time.perf_counter_ns()
-                rec.is_full  # noqa: B018
-                t1 = time.perf_counter_ns()
-                rec.num_recorded_steps  # noqa: B018
-                steps.append(time.perf_counter_ns() - t1)
-                full.append(t1 - t0)
-            rec.flush()
-            out[mode] = {"is_full": latency_summary(full), "steps": latency_summary(steps)}
+        out["paced"] = time_counters(rec, pool, p.paced_calls, p.paced_sleep_s)
+        rec.flush()
+        out["back_to_back"] = time_counters(rec, pool, p.latency_calls)
+        rec.flush()
         stop.set()
         for t in threads:
             t.join()
