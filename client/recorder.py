@@ -431,7 +431,9 @@ class RolloutRecorder:
         was found, with the in-process recorder's messages.
         """
         self.flush()
-        request = pb.FinishRequest(session=self.session, pad_incomplete=bool(pad_incomplete))
+        request = pb.FinishRequest(
+            session=self.session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
+        )
         return _assemble(self._connection.download("Finish", request))
 
     def runtime_state(self) -> bytes:

@@ -83,7 +83,9 @@ def fetch_episodes(
         target, token, root_certificates, client_certificate, client_key, timeout
     )
     try:
-        request = pb.FinishRequest(session=session, pad_incomplete=bool(pad_incomplete))
+        request = pb.FinishRequest(
+            session=session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
+        )
         return assemble(connection.download("Finish", request))
     finally:
         connection.close()

@@ -172,6 +172,25 @@ class FieldOut:
 
 
 @dataclass
+class WorkerRows:
+    """One worker's share of the result: its chunks, the rows it owns, their episodes."""
+
+    position: int  # the worker's index in the result (join order)
+    chunks: list[StoredChunk]
+    rows: np.ndarray
+    env: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    def needed_chunks(self) -> list[StoredChunk]:
+        """The chunks some row's steps lie in: from the first, up to the last row's end."""
+        if self.rows.size == 0:
+            return []
+        until = int(self.end.max())
+        return [c for i, c in enumerate(self.chunks) if c.t0 < until or i == 0]
+
+
+@dataclass
 class Assembly:
     """What finish() returns, before it is streamed: metadata plus a row filler."""
 
@@ -183,9 +202,21 @@ class Assembly:
     starts: np.ndarray
     done: np.ndarray
     fields: list[FieldOut]
-    # Per worker: its chunks, the result rows it owns and those rows' (env, start, end).
-    per_worker: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+    per_worker: list[WorkerRows]
     _step_index: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def chunk_frames(self) -> list[tuple[int, StoredChunk]] | None:
+        """(worker position, chunk) of every chunk the rows need, in stream order; None when
+        a chunk has more steps than the result's B x T_max (the receiver bounds its buffers
+        by the result's shape), so that gathered parts travel instead."""
+        slots = self.num_episodes * self.max_length
+        frames = []
+        for part in self.per_worker:
+            for chunk in part.needed_chunks():
+                if chunk.length * chunk.arrays["action"].shape[1] > slots:
+                    return None
+                frames.append((part.position, chunk))
+        return frames
 
     def field_parts(self, spec: FieldOut, part_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
         """(first row, row count, real steps of those rows joined episode by episode), parts
@@ -196,10 +227,11 @@ class Assembly:
         step_bytes = max(1, int(np.prod(spec.trailing, dtype=np.int64)) * spec.dtype.itemsize)
         pieces: list[np.ndarray] = []
         first = count = size = 0
-        for w, (chunks, rows, _, start, end) in enumerate(self.per_worker):
+        for w, part in enumerate(self.per_worker):
+            rows, start, end = part.rows, part.start, part.end
             if rows.size == 0:
                 continue
-            src = field_array(chunks, spec.key, int(end.max()))
+            src = field_array(part.chunks, spec.key, int(end.max()))
             steps = self._steps(w, src.shape[1])
             ends = np.cumsum(end - start)
             cum = ends * step_bytes
@@ -230,7 +262,8 @@ class Assembly:
         t * N + e), episode by episode: built once and shared by every field."""
         steps = self._step_index.get(worker)
         if steps is None:
-            _, _, env, start, end = self.per_worker[worker]
+            part = self.per_worker[worker]
+            env, start, end = part.env, part.start, part.end
             lengths = end - start
             steps = np.arange(int(lengths.sum()), dtype=np.int64)
             steps += np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
@@ -281,7 +314,7 @@ def assemble(
     """Plan the padded result: which episode goes to which row, and the fields."""
     if not any(tl.chunks for tl in timelines):
         raise NoEpisodesError(NO_DATA_MESSAGE)
-    per: list[tuple[list[StoredChunk], np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    per: list[WorkerRows] = []
     total = 0
     metas = []
     # Workers are numbered by their place in `timelines` (join order): a forgotten worker's
@@ -295,7 +328,7 @@ def assemble(
             env, start, end, done = env[:take], start[:take], end[:take], done[:take]
         rows = np.arange(total, total + env.size, dtype=np.int64)
         total += env.size
-        per.append((list(tl.chunks), rows, env, start, end))
+        per.append(WorkerRows(position, list(tl.chunks), rows, env, start, end))
         metas.append((position, env, start, end, done))
     if total == 0:
         raise NoEpisodesError(NO_EPISODES_MESSAGE)

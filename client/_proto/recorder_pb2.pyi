@@ -141,14 +141,16 @@ class RecordAck(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., counters_version: _Optional[int] = ..., counted_through: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("session", "pad_incomplete", "max_part_bytes")
+    __slots__ = ("session", "pad_incomplete", "max_part_bytes", "chunk_frames")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PAD_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     MAX_PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
     session: str
     pad_incomplete: bool
     max_part_bytes: int
-    def __init__(self, session: _Optional[str] = ..., pad_incomplete: _Optional[bool] = ..., max_part_bytes: _Optional[int] = ...) -> None: ...
+    chunk_frames: bool
+    def __init__(self, session: _Optional[str] = ..., pad_incomplete: _Optional[bool] = ..., max_part_bytes: _Optional[int] = ..., chunk_frames: _Optional[bool] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -194,13 +196,29 @@ class ArrayPart(_message.Message):
     row_count: int
     def __init__(self, field: _Optional[int] = ..., row_start: _Optional[int] = ..., array: _Optional[_Union[ArrayData, _Mapping]] = ..., row_count: _Optional[int] = ...) -> None: ...
 
+class ChunkFrames(_message.Message):
+    __slots__ = ("worker", "t0", "length", "num_envs", "fields")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    T0_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    t0: int
+    length: int
+    num_envs: int
+    fields: _containers.RepeatedCompositeFieldContainer[ArrayData]
+    def __init__(self, worker: _Optional[int] = ..., t0: _Optional[int] = ..., length: _Optional[int] = ..., num_envs: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[ArrayData, _Mapping]]] = ...) -> None: ...
+
 class FinishPart(_message.Message):
-    __slots__ = ("header", "array")
+    __slots__ = ("header", "array", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: FinishHeader
     array: ArrayPart
-    def __init__(self, header: _Optional[_Union[FinishHeader, _Mapping]] = ..., array: _Optional[_Union[ArrayPart, _Mapping]] = ...) -> None: ...
+    chunk: ChunkFrames
+    def __init__(self, header: _Optional[_Union[FinishHeader, _Mapping]] = ..., array: _Optional[_Union[ArrayPart, _Mapping]] = ..., chunk: _Optional[_Union[ChunkFrames, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("session",)

@@ -154,8 +154,9 @@ class RecorderServicer:
         """Build the padded trajectory from the stored episodes. Message order: one
         FinishPart with `header`, then FinishPart messages with `array` parts, each
         the real steps of consecutive episode rows of one field (padding never
-        travels), fields in the order the header lists them. FAILED_PRECONDITION
-        when nothing was recorded or no episode was found.
+        travels), fields in the order the header lists them; or, when the request
+        asks for chunk_frames, `chunk` messages: the stored chunks themselves.
+        FAILED_PRECONDITION when nothing was recorded or no episode was found.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -27,7 +27,7 @@ from ..chunks import (
     check_size,
     encoded_array,
 )
-from ..episodes import Assembly
+from ..episodes import Assembly, StoredChunk
 from ..errors import ErrorKind, RequestError, invalid
 from ..session import Applied, Counters, Session
 from ..sessions import ServiceLimits
@@ -235,6 +235,19 @@ def finish_part(field: int, row_start: int, row_count: int, flat: np.ndarray) ->
             array=_messages.array_to_proto(flat),
         )
     )
+
+
+def chunk_frames(worker: int, chunk: StoredChunk, keys: list[str]) -> pb.FinishPart:
+    """A stored chunk's arrays for `keys`, as they were recorded (no decoding)."""
+    arrays = [chunk.arrays[key] for key in keys]
+    msg = pb.ChunkFrames(
+        worker=worker, t0=chunk.t0, length=chunk.length, num_envs=arrays[0].shape[1]
+    )
+    for a in arrays:
+        msg.fields.add(
+            dtype=a.dtype.str, shape=a.shape, raw_size=a.nbytes, codec=a.codec, data=a.data
+        )
+    return pb.FinishPart(chunk=msg)
 
 
 file_parts = _messages.file_parts

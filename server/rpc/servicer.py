@@ -77,9 +77,12 @@ def _take_parts(
     batch, raw = [], 0
     for part in parts:
         batch.append(part)
-        if isinstance(part, pb.FinishPart):
+        if not isinstance(part, pb.FinishPart):
+            raw += part[3].nbytes
+        elif part.HasField("header"):
             return batch, True
-        raw += part[3].nbytes
+        else:  # a chunk's frames, compressed as stored
+            raw += sum(len(a.data) for a in part.chunk.fields)
         if len(batch) == _PARTS_PER_HOP or raw >= _RAW_PER_HOP:
             return batch, True
     return batch, False
@@ -257,6 +260,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             plan = session.assemble(request.pad_incomplete)
             worker_ids = list(session.workers)
         yield convert.finish_header(plan, worker_ids)
+        # The client that asks gathers the result from the stored chunks itself: no decode,
+        # gather and re-compress here (most of the server's CPU for a finish()).
+        frames = plan.chunk_frames() if request.chunk_frames else None
+        if frames is not None:
+            keys = [spec.key for spec in plan.fields]
+            for position, chunk in frames:
+                yield convert.chunk_frames(position, chunk, keys)
+            return
         part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         for index, spec in enumerate(plan.fields):
             for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
