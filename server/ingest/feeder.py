@@ -21,7 +21,7 @@ import numpy as np
 from recorder_client._wire import STATE_ALIASES
 
 from ..episodes import StoredChunk, WorkerTimeline
-from ..store import EpisodeBatch, EpisodeWindow, TrajectoryCaptureProcessor
+from ..store import EpisodeWindow, TrajectoryCaptureProcessor
 from .buffers import BufferPool
 from .held import HeldChunks, HeldEpisode, Part
 from .tails import EpisodeSums, Finished, cumsum
@@ -356,15 +356,15 @@ class EpisodeFeeder:
         if not closed:
             return []
         if self.store is None:
-            # No store: only lengths and outcomes count, so no arrays are gathered.
+            # No store: only lengths and outcomes count, so no episode arrays are built.
             recorded = []
             for c in closed:
-                total = int(c.finished.lengths.sum())
-                batch = EpisodeBatch(
-                    np.zeros(total, np.int8), np.zeros(total, np.float32), {}, c.finished.lengths
-                )
-                if self._try_record([c], batch):
-                    recorded.append(c)
+                try:
+                    self.processor.count_episodes(c.finished.lengths, c.finished.outcomes)
+                except Exception:
+                    self._failed()
+                    continue
+                recorded.append(c)
             return recorded
         for c in closed:
             if c.part.error is not None:
@@ -383,15 +383,9 @@ class EpisodeFeeder:
         # that only the chunks with an invalid episode are refused, as if sent alone.
         return [c for c in valid if self._try_record([c])]
 
-    def _try_record(self, closed: list[_Closed], batch=None, *, quiet: bool = False) -> bool:
+    def _try_record(self, closed: list[_Closed], *, quiet: bool = False) -> bool:
         try:
-            if batch is not None:
-                c = closed[0]
-                self.processor.record_episodes(
-                    batch, c.item.env_steps_before, outcomes=c.finished.outcomes
-                )
-            else:
-                self._record_window(closed)
+            self._record_window(closed)
         except Exception:
             if not quiet:
                 self._failed()

@@ -162,6 +162,19 @@ class TrajectoryCaptureProcessor:
         self._count(count, int(source.offsets[-1]), codes, midpoints)
         return first
 
+    def count_episodes(self, lengths: np.ndarray, outcomes: np.ndarray) -> None:
+        """Without a store (so without an outcome rule): count finished episodes by their
+        lengths and int outcome codes, as record_episodes would, without their arrays."""
+        if self._store is not None or self._configuration is not None:
+            raise ValueError("count_episodes: expected a processor without a store")
+        codes = np.asarray(outcomes).astype(np.int64, copy=False).reshape(-1)
+        if codes.size != lengths.size:
+            raise ValueError(f"outcomes: expected {lengths.size} codes, got {codes.size}")
+        bad = (codes < 0) | (codes >= len(EpisodeOutcome))
+        if bad.any():
+            EpisodeOutcome.coerce(int(codes[bad][0]))  # raises with the usual message
+        self._count(int(lengths.size), int(lengths.sum()), codes, 0)
+
     def _count(self, episodes: int, steps: int, codes: np.ndarray, midpoints: int) -> None:
         """Add recorded episodes to the capture counters (``codes``: their outcome codes)."""
         per_outcome = np.bincount(codes, minlength=len(EpisodeOutcome)).tolist()
