@@ -1405,8 +1405,8 @@ SCENARIOS: list[Scenario] = [
     ray_scenario("ray_1w", workers=1),
     ray_scenario("ray_4w", workers=4),
     ray_scenario("ray_8w", workers=8),
-    # Configuration rows: each compared with ingest_4w (the defaults: no store, metrics on,
-    # write-ahead log with fsync "batch"), the dashboard row with ingest_4w_no_metrics.
+    # Configuration rows, each compared with ingest_4w (the defaults: no store, metrics on,
+    # write-ahead log with fsync "batch"); the dashboard row with its no-metrics twin.
     ingest_scenario(
         "ingest_4w_store_on",
         workers=4,
@@ -1455,6 +1455,35 @@ SCENARIOS: list[Scenario] = [
         description="ingest, 4 workers, dataset sink writing Parquet to a local S3 server",
     ),
     ingest_scenario(
+        "ingest_4w_idle_200",
+        workers=4,
+        idle_streams=200,
+        rows=rows_idle_streams,
+        description="ingest, 4 busy workers beside 200 workers holding open streams, no data",
+    ),
+    ingest_scenario(
+        "ingest_4w_previous_core",
+        workers=4,
+        previous_core=True,
+        rows=rows_previous_core,
+        description=f"ingest, 4 workers, into the previous server core ({PREVIOUS_CORE})",
+    ),
+    # The pixel workload: a (T, N, 84, 84) uint8 frame state field, against the same bytes
+    # over the raw gRPC stream.
+    ingest_scenario(
+        "ingest_4w_pixels",
+        workers=4,
+        pixels=True,
+        references=(("raw_grpc_4w_pixels", "raw gRPC bytes stream, pixel workload, 4w"),),
+        description="ingest, 4 workers, pixel workload (84x84 uint8 frames)",
+    ),
+    raw_scenario("raw_grpc_4w_pixels", workers=4, pixels=True),
+]
+
+OPTIONAL_SCENARIOS: list[Scenario] = [
+    # Configuration rows without a target, each beside ingest_4w (`--with` names them;
+    # they kept the full run over 10 minutes on a busy day).
+    ingest_scenario(
         "ingest_4w_all_sinks",
         workers=4,
         serve_args=(
@@ -1489,33 +1518,6 @@ SCENARIOS: list[Scenario] = [
         compare_to="ingest_4w",
         description="ingest, 4 workers, no write-ahead log at all",
     ),
-    ingest_scenario(
-        "ingest_4w_idle_200",
-        workers=4,
-        idle_streams=200,
-        rows=rows_idle_streams,
-        description="ingest, 4 busy workers beside 200 workers holding open streams, no data",
-    ),
-    ingest_scenario(
-        "ingest_4w_previous_core",
-        workers=4,
-        previous_core=True,
-        rows=rows_previous_core,
-        description=f"ingest, 4 workers, into the previous server core ({PREVIOUS_CORE})",
-    ),
-    # The pixel workload: a (T, N, 84, 84) uint8 frame state field, against the same bytes
-    # over the raw gRPC stream.
-    ingest_scenario(
-        "ingest_4w_pixels",
-        workers=4,
-        pixels=True,
-        references=(("raw_grpc_4w_pixels", "raw gRPC bytes stream, pixel workload, 4w"),),
-        description="ingest, 4 workers, pixel workload (84x84 uint8 frames)",
-    ),
-    raw_scenario("raw_grpc_4w_pixels", workers=4, pixels=True),
-]
-
-OPTIONAL_SCENARIOS: list[Scenario] = [
     # Diagnostic: does glibc's malloc keep the server's freed decode buffers? (same code,
     # only the server's environment differs; compare the memory rows with ingest_4w).
     ingest_scenario(
