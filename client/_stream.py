@@ -185,6 +185,7 @@ class ChunkSender:
         self._uncounted_steps = 0
         self._uncounted_dones = 0
         self._uncounted_unknown = 0  # chunks whose done flags are not counted yet
+        self._view: tuple[bool, int] | None = (False, 0)
         # The server's refusal while it has no space; cleared by the next ack.
         self._exhausted: RecorderError | None = None
         self._progress = True
@@ -222,6 +223,7 @@ class ChunkSender:
             self._uncounted_dones += item.dones or 0
         else:
             self._uncounted_unknown += 1
+        self._refresh_view()
 
     def _count_through(self, through: int) -> None:
         """The server's counters now count this worker's chunks up to `through`."""
@@ -233,6 +235,7 @@ class ChunkSender:
                 for item in items:
                     if item.sequence > through:
                         self._count_later(item)
+            self._refresh_view()
             return
         self._counted = through
         while self._uncounted and self._uncounted[0].sequence <= through:
@@ -242,25 +245,38 @@ class ChunkSender:
                 self._uncounted_dones -= item.dones or 0
             else:
                 self._uncounted_unknown -= 1
+        self._refresh_view()
 
     def counters(self) -> tuple[bool, int]:
         """(is_full, num_recorded_steps) once the server takes this worker's chunks that
         its last counters do not count yet, as it would with no other worker sending."""
-        with self._cond:
-            _, full, steps, episodes = self._counters
-            limit = self._max_episodes
-            if limit is None:
-                return full, steps + self._uncounted_steps
-            if episodes >= limit:
-                return True, steps  # the session drops what follows
-            if not self._uncounted_unknown and episodes + self._uncounted_dones < limit:
-                return False, steps + self._uncounted_steps
+        view = self._view  # kept current by whoever changes what it depends on
+        if view is not None:
+            return view
+        with self._cond:  # near max_episodes, or done flags not counted yet: walk the queue
+            _, _, steps, episodes = self._counters
+            limit = self._max_episodes or 0
             for item in self._uncounted:  # the chunk that fills the session is kept whole
                 if episodes >= limit:
                     break
                 steps += item.length
                 episodes += item.count_dones()
             return episodes >= limit, steps
+
+    def _refresh_view(self) -> None:
+        """The answer of counters() where it is a sum (with the lock held); None where the
+        queue must be walked. Read without the lock, so that asking never waits for the
+        sender threads."""
+        _, full, steps, episodes = self._counters
+        limit = self._max_episodes
+        if limit is None:
+            self._view = (full, steps + self._uncounted_steps)
+        elif episodes >= limit:
+            self._view = (True, steps)  # the session drops what follows
+        elif not self._uncounted_unknown and episodes + self._uncounted_dones < limit:
+            self._view = (False, steps + self._uncounted_steps)
+        else:
+            self._view = None
 
     def take_counters(self, status: pb.StatusReply, through: int) -> None:
         """Counters from a status reply, counting this worker's chunks up to `through`."""

@@ -159,3 +159,30 @@ def test_counters_survive_a_server_restart(tmp_path):
         rec.close()
     finally:
         server.stop()
+
+
+def test_device_array_done_flags_are_counted_when_asked(server_process):
+    """Done flags of device arrays are not read by record() (that would wait for the
+    device); is_full counts them when asked, still without the server (paused)."""
+    from test_device_arrays import FakeDeviceArray
+
+    rng = np.random.default_rng(17)
+    ref = ReferenceRecorder(max_episodes=9)
+    with RolloutRecorder(max_episodes=9, target=server_process.address, session="dev") as rec:
+        rec.record(chunk(rng))
+        rec.flush()
+        ref.record(chunk(np.random.default_rng(17)))
+        os.kill(server_process.pid, signal.SIGSTOP)
+        try:
+            for _ in range(10):
+                c = chunk(rng)
+                on_device = {k: FakeDeviceArray(getattr(c, k), "gpu") for k in vars(c)}
+                assert rec.record(on_device) == ref.record(c)
+                assert (rec.is_full, rec.num_recorded_steps) == (
+                    ref.is_full,
+                    ref.num_recorded_steps,
+                )
+        finally:
+            os.kill(server_process.pid, signal.SIGCONT)
+        rec.flush()
+        assert (rec.is_full, rec.num_recorded_steps) == (ref.is_full, ref.num_recorded_steps)
