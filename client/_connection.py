@@ -6,7 +6,7 @@ object; nothing else holds the stub.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -52,6 +52,22 @@ class Connection:
             return getattr(self._stub, method)(request, timeout=timeout or self.rpc_timeout)
         except grpc.RpcError as err:
             raise from_rpc_error(err, self.target) from None
+
+    def call_async(
+        self, method: str, request: Any, done: Callable[[Any], None], timeout: float | None = None
+    ) -> None:
+        """A unary call in the background; ``done(reply)`` runs on a gRPC thread, with None
+        when the call failed."""
+        future = getattr(self._stub, method).future(request, timeout=timeout or self.rpc_timeout)
+
+        def finished(call: Any) -> None:
+            try:
+                reply = call.result()
+            except Exception:  # an RpcError, or the channel closed under the call
+                reply = None
+            done(reply)
+
+        future.add_done_callback(finished)
 
     def connect(self, method: str, request: Any) -> Any:
         """A unary call that waits for a server still starting, up to connect_timeout."""

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 # Status codes after which the stream is reopened and unacknowledged chunks resent.
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+# Seconds without an ack after which an idle worker's counters are asked for again.
+_STALE_S = 0.02
 # Refusal kinds a fresh join resolves (the worker expired, or the server restarted).
 _REJOIN_KINDS = {"not_joined"}
 
@@ -150,6 +152,7 @@ class ChunkSender:
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
         raise_data_loss: bool = True,
         max_episodes: int | None = None,
+        status_call: Callable[[Callable[[Any], None]], None] | None = None,
     ) -> None:
         self._connection = connection
         self._on_stored = on_stored
@@ -174,6 +177,9 @@ class ChunkSender:
         self.fatal_reported = False
         self.stats = SenderStats()
         self._max_episodes = max_episodes
+        # Asks the server for the session's status in the background; calls back with the
+        # reply (None on failure).
+        self._status_call = status_call
         # The session's counters as the server last sent them: (version, is_full,
         # num_recorded_steps, episodes_finished), counting this worker's chunks up to
         # _counted.
@@ -186,6 +192,8 @@ class ChunkSender:
         self._uncounted_dones = 0
         self._uncounted_unknown = 0  # chunks whose done flags are not counted yet
         self._view: tuple[bool, int] | None = (False, 0)
+        self._heard = time.monotonic()  # when the server last told this worker its counters
+        self._refreshing = False
         # The server's refusal while it has no space; cleared by the next ack.
         self._exhausted: RecorderError | None = None
         self._progress = True
@@ -249,7 +257,18 @@ class ChunkSender:
 
     def counters(self) -> tuple[bool, int]:
         """(is_full, num_recorded_steps) once the server takes this worker's chunks that
-        its last counters do not count yet, as it would with no other worker sending."""
+        its last counters do not count yet, as it would with no other worker sending.
+
+        Other workers' chunks count as of the server's last answer. A worker with nothing in
+        flight hears no acks, so after _STALE_S of silence asking starts a status call in
+        the background, and a later ask has its answer."""
+        if (
+            not self._uncounted
+            and not self._refreshing
+            and time.monotonic() - self._heard > _STALE_S
+            and self._status_call is not None
+        ):
+            self._refresh()
         view = self._view  # kept current by whoever changes what it depends on
         if view is not None:
             return view
@@ -278,9 +297,34 @@ class ChunkSender:
         else:
             self._view = None
 
+    def _refresh(self) -> None:
+        self._refreshing = True
+        asked = time.monotonic()
+
+        def done(reply: pb.StatusReply | None) -> None:
+            with self._cond:
+                self._refreshing = False
+                self._heard = max(self._heard, asked)
+                # Newer counters only, and only while nothing of this worker's is in flight
+                # (the status does not say which of its chunks it counts).
+                if reply is None or self._uncounted:
+                    return
+                if reply.counters_version >= self._counters[0]:
+                    self._counters = (
+                        reply.counters_version,
+                        reply.is_full,
+                        reply.num_recorded_steps,
+                        reply.episodes_finished,
+                    )
+                    self._refresh_view()
+
+        assert self._status_call is not None
+        self._status_call(done)
+
     def take_counters(self, status: pb.StatusReply, through: int) -> None:
         """Counters from a status reply, counting this worker's chunks up to `through`."""
         with self._cond:
+            self._heard = time.monotonic()
             self._counters = (
                 status.counters_version,
                 status.is_full,
@@ -344,11 +388,7 @@ class ChunkSender:
 
     # -- sender thread ---------------------------------------------------
     def _requests(self, generation: int) -> Iterator[pb.RecordRequest]:
-        yield pb.RecordRequest(
-            open=pb.RecordOpen(
-                session=self._session, worker_id=self._worker_id, counters_updates=True
-            )
-        )
+        yield pb.RecordRequest(open=pb.RecordOpen(session=self._session, worker_id=self._worker_id))
         while True:
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
@@ -424,9 +464,7 @@ class ChunkSender:
                 )
             # A chunk answered is counted, or never will be (dropped, refused, a resend).
             self._count_through(max(self._counted, ack.counted_through, ack.sequence))
-            if ack.sequence == 0:  # a counters update
-                self._cond.notify_all()
-                return
+            self._heard = time.monotonic()
             item = self._unacked.pop(ack.sequence, None)
             if item is None:
                 return

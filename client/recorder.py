@@ -165,6 +165,9 @@ class RolloutRecorder:
                 on_stored=self._stored,
                 raise_data_loss=on_data_loss == "raise",
                 max_episodes=self.max_episodes,
+                status_call=lambda done: self._connection.call_async(
+                    "GetStatus", pb.StatusRequest(session=session), done
+                ),
             )
             self._sender.take_counters(self._joined.status, self._sequence)
         except BaseException:
@@ -418,9 +421,9 @@ class RolloutRecorder:
 
         It counts every chunk this worker recorded (before the server takes it, as it
         will unless another worker fills the session first), and other workers' chunks as
-        of the server's last message to this worker: an ack, or an update the server sends
-        an idle stream within about 20 ms (more with many workers: README, "Semantics").
-        status() asks the server.
+        of the server's last answer to this worker: an ack or, with nothing of this worker's
+        in flight for 20 ms, a status that reading this asks for in the background (README,
+        "Semantics"). status() asks the server and waits.
         """
         return self._sender.counters()[1]
 

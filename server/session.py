@@ -176,7 +176,7 @@ class Session:
     def counters_for(self, worker_id: str) -> tuple[Counters, int]:
         """The counters snapshot and the last of this worker's stored chunks it counts.
 
-        Lock-free (the event loop asks): the worker's entry is read on both sides of the
+        Without the session lock: the worker's entry is read on both sides of the
         snapshot, and read again if a chunk of its was counted in between.
         """
         while True:

@@ -1,6 +1,7 @@
-"""is_full and num_recorded_steps are answered in the client from what the server's acks and
-counters updates carry: exact for a worker's own chunks at once, and for other workers'
-chunks once the server's next message arrives."""
+"""is_full and num_recorded_steps are answered in the client from what the server's acks
+carry (and, for a worker with nothing in flight, a status asked for in the background):
+exact for a worker's own chunks at once, and for other workers' chunks once an answer that
+counts them arrives."""
 
 from __future__ import annotations
 

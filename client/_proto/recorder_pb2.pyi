@@ -73,14 +73,12 @@ class JoinReply(_message.Message):
     def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
 
 class RecordOpen(_message.Message):
-    __slots__ = ("session", "worker_id", "counters_updates")
+    __slots__ = ("session", "worker_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    COUNTERS_UPDATES_FIELD_NUMBER: _ClassVar[int]
     session: str
     worker_id: str
-    counters_updates: bool
-    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., counters_updates: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("sequence", "action", "reward", "done", "states", "outcome")

@@ -154,9 +154,12 @@ _ACK = {
 }
 
 
-def counters_update(counters: Counters, through: int, sequence: int = 0) -> pb.RecordAck:
-    """The session's counters for one worker's stream (sequence 0: answers no chunk)."""
-    return pb.RecordAck(
+def ack(
+    sequence: int, applied: Applied | RequestError, counters: Counters, through: int
+) -> pb.RecordAck:
+    """A chunk's answer, with the session's counters and the last of the worker's chunks
+    they count."""
+    reply = pb.RecordAck(
         sequence=sequence,
         is_full=counters.is_full,
         num_recorded_steps=counters.num_recorded_steps,
@@ -164,12 +167,6 @@ def counters_update(counters: Counters, through: int, sequence: int = 0) -> pb.R
         counters_version=counters.version,
         counted_through=through,
     )
-
-
-def ack(
-    sequence: int, applied: Applied | RequestError, counters: Counters, through: int
-) -> pb.RecordAck:
-    reply = counters_update(counters, through, sequence)
     if isinstance(applied, RequestError):
         code, message, _ = status_of(applied)
         reply.result = pb.RecordAck.REJECTED

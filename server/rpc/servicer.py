@@ -38,28 +38,6 @@ DEFAULT_PART_BYTES = 4 << 20
 _WARM_UP_S = 30.0
 
 
-# Counters updates: every tick, a stream that has not heard its session's latest counters
-# and has had no message for a while gets them (acks bring them to busy streams). With many
-# streams each hears less often: a session sends at most about _PUSHES_PER_S of them.
-_PUSH_TICK_S = 0.02
-_PUSHES_PER_S = 250
-# Acks a stream may have waiting to be sent before it stops reading chunks.
-_ACKS_QUEUED = 64
-_END = object()
-
-
-class _Stream:
-    """One open Record stream: its outgoing messages and what it last heard."""
-
-    __slots__ = ("worker_id", "out", "heard", "last_sent")
-
-    def __init__(self, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.out: asyncio.Queue[Any] = asyncio.Queue(_ACKS_QUEUED)
-        self.heard = 0  # the highest counters version sent
-        self.last_sent = time.monotonic()
-
-
 # Finish parts made per trip to the control pool: small parts (a few episodes of many
 # workers) go together, up to this many or this many raw bytes, so that the client can
 # decode one batch while the next is made.
@@ -102,8 +80,6 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         self.control = control
         self.limits = sessions.limits
         self._started = time.monotonic()
-        self._streams: dict[Session, set[_Stream]] = {}
-        self._push_timer: asyncio.TimerHandle | None = None
 
     # -- helpers ---------------------------------------------------------
     async def _abort(self, context: grpc.aio.ServicerContext, error: BaseException) -> NoReturn:
@@ -184,75 +160,15 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         if first is None:
             return
         session = await self._run(context, self._open, first)
-        stream = _Stream(first.open.worker_id)
-        if first.open.counters_updates:
-            self._watch(session, stream)
-        reader = asyncio.ensure_future(self._take_chunks(request_iterator, session, stream))
-        try:
-            while True:
-                message = await stream.out.get()
-                if message is _END:
-                    return
-                if isinstance(message, Exception):
-                    await self._abort(context, message)
-                stream.heard = max(stream.heard, message.counters_version)
-                stream.last_sent = time.monotonic()
-                yield message
-        finally:
-            reader.cancel()
-            self._unwatch(session, stream)
-
-    async def _take_chunks(
-        self, request_iterator: AsyncIterator[pb.RecordRequest], session: Session, stream: _Stream
-    ) -> None:
-        """Apply a stream's chunks one after another, queueing each ack (or the error that
-        ends the stream) for Record to send."""
-        try:
-            async for request in request_iterator:
-                if request.WhichOneof("kind") != "chunk":
-                    raise invalid("Record: expected a chunk, got `open` again")
-                ack = await self.ingest.run(self._apply, session, stream.worker_id, request.chunk)
-                await stream.out.put(ack)
-        except Exception as exc:
-            await stream.out.put(exc)
-            return
-        await stream.out.put(_END)
-
-    def _watch(self, session: Session, stream: _Stream) -> None:
-        self._streams.setdefault(session, set()).add(stream)
-        if self._push_timer is None:
-            self._push_timer = asyncio.get_running_loop().call_later(
-                _PUSH_TICK_S, self._push_counters
-            )
-
-    def _unwatch(self, session: Session, stream: _Stream) -> None:
-        streams = self._streams.get(session)
-        if streams is not None:
-            streams.discard(stream)
-            if not streams:
-                del self._streams[session]
-
-    def _push_counters(self) -> None:
-        """Bring idle streams their session's latest counters (other workers' chunks, a
-        reset), so that is_full and num_recorded_steps answered in the client catch up.
-        Runs on the event loop every tick while any stream is open."""
-        now = time.monotonic()
-        for session, streams in self._streams.items():
-            latest = session.counters.version
-            quiet = max(_PUSH_TICK_S, len(streams) / _PUSHES_PER_S)
-            for stream in streams:
-                if stream.heard >= latest or now - stream.last_sent < quiet:
-                    continue
-                if stream.out.full():
-                    continue
-                counters, through = session.counters_for(stream.worker_id)
-                stream.out.put_nowait(convert.counters_update(counters, through))
-                stream.heard, stream.last_sent = counters.version, now
-        self._push_timer = None
-        if self._streams:
-            self._push_timer = asyncio.get_running_loop().call_later(
-                _PUSH_TICK_S, self._push_counters
-            )
+        worker_id = first.open.worker_id
+        async for request in request_iterator:
+            if request.WhichOneof("kind") != "chunk":
+                await self._abort(context, invalid("Record: expected a chunk, got `open` again"))
+            try:
+                reply = await self.ingest.run(self._apply, session, worker_id, request.chunk)
+            except Exception as exc:
+                await self._abort(context, exc)
+            yield reply
 
     def _finish_parts(self, request: pb.FinishRequest) -> Iterator[pb.FinishPart | _Gathered]:
         session = self.sessions.get(request.session)
