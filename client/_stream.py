@@ -135,6 +135,11 @@ def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
     return pb.RecordRequest(chunk=chunk)
 
 
+def _counters_of(msg: Any) -> tuple[int, bool, int, int]:
+    """(version, is_full, num_recorded_steps, episodes_finished) of an ack or a status."""
+    return (msg.counters_version, msg.is_full, msg.num_recorded_steps, msg.episodes_finished)
+
+
 class ChunkSender:
     """Owns the Record stream of one worker."""
 
@@ -310,12 +315,7 @@ class ChunkSender:
                 if reply is None or self._uncounted:
                     return
                 if reply.counters_version >= self._counters[0]:
-                    self._counters = (
-                        reply.counters_version,
-                        reply.is_full,
-                        reply.num_recorded_steps,
-                        reply.episodes_finished,
-                    )
+                    self._counters = _counters_of(reply)
                     self._refresh_view()
 
         assert self._status_call is not None
@@ -325,12 +325,7 @@ class ChunkSender:
         """Counters from a status reply, counting this worker's chunks up to `through`."""
         with self._cond:
             self._heard = time.monotonic()
-            self._counters = (
-                status.counters_version,
-                status.is_full,
-                status.num_recorded_steps,
-                status.episodes_finished,
-            )
+            self._counters = _counters_of(status)
             self._count_through(through)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -456,12 +451,7 @@ class ChunkSender:
     def _on_ack(self, ack: pb.RecordAck) -> None:
         with self._cond:
             if ack.counters_version >= self._counters[0]:
-                self._counters = (
-                    ack.counters_version,
-                    ack.is_full,
-                    ack.num_recorded_steps,
-                    ack.episodes_finished,
-                )
+                self._counters = _counters_of(ack)
             # A chunk answered is counted, or never will be (dropped, refused, a resend).
             self._count_through(max(self._counted, ack.counted_through, ack.sequence))
             self._heard = time.monotonic()
