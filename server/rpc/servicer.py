@@ -122,12 +122,12 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 await asyncio.sleep(0.05)
         return reply
 
-    def _open(self, request: pb.RecordRequest) -> Session:
+    def _open(self, request: pb.RecordRequest) -> tuple[Session, str]:
         if request.WhichOneof("kind") != "open":
             raise invalid("Record: expected `open` as the first message, got a chunk")
         session = self.sessions.get(request.open.session)
         session.worker(request.open.worker_id)
-        return session
+        return session, request.open.worker_id
 
     def _apply(self, session: Session, worker_id: str, msg: pb.Chunk) -> pb.RecordAck:
         began = time.perf_counter()
@@ -159,8 +159,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
-        session = await self._run(context, self._open, first)
-        worker_id = first.open.worker_id
+        session, worker_id = await self._run(context, self._open, first)
         async for request in request_iterator:
             if request.WhichOneof("kind") != "chunk":
                 await self._abort(context, invalid("Record: expected a chunk, got `open` again"))
