@@ -133,8 +133,8 @@ class Session:
         # Every worker whose chunks the session holds, and every active one, in join order.
         self.workers: dict[str, WorkerTimeline] = {}
         self.last_sequence: dict[str, int] = {}
-        # worker -> (sequence, counters version) of its last chunk the counters count.
-        self.counted: dict[str, tuple[int, int]] = {}
+        # worker -> sequence of its last chunk the counters count.
+        self.counted: dict[str, int] = {}
         self._worker_locks: dict[str, threading.Lock] = {}
         self.last_seen: dict[str, float] = {}
         self.joined_at: dict[str, float] = {}  # wall clock of each worker's first join
@@ -180,10 +180,10 @@ class Session:
         snapshot, and read again if a chunk of its was counted in between.
         """
         while True:
-            before = self.counted.get(worker_id)
+            before = self.counted.get(worker_id, 0)
             counters = self.counters
-            if self.counted.get(worker_id) is before:
-                return counters, 0 if before is None else before[0]
+            if self.counted.get(worker_id, 0) == before:  # sequences only grow
+                return counters, before
 
     def close(self) -> None:
         self.feeder.close()
@@ -288,6 +288,7 @@ class Session:
         self._worker_locks.pop(worker_id, None)
         self.last_seen.pop(worker_id, None)
         self.joined_at.pop(worker_id, None)
+        self.counted.pop(worker_id, None)
         self.metrics.forget(session=self.name, worker=worker_id)
 
     def idle_workers(self, now: float, ttl: float) -> list[str]:
@@ -375,7 +376,7 @@ class Session:
                 self.num_recorded_steps += decoded.length
                 self.publish_counters()
                 # After the snapshot: whoever sees this entry sees a snapshot that counts it.
-                self.counted[worker_id] = (seq, self.counters.version)
+                self.counted[worker_id] = seq
                 self.chunks_stored += 1
                 steps_before = self.env_steps
                 self.env_steps += decoded.length * decoded.num_envs
