@@ -395,12 +395,16 @@ class Session:
                     )
                 )
             raw = sum(a.nbytes for a in stored.values())
-            labels = {"session": self.name}
-            self.metrics.inc("Recorder/chunks", 1, **labels)
-            self.metrics.inc("Recorder/raw_bytes", raw, **labels)
-            self.metrics.inc("Recorder/wire_bytes", chunk.wire_bytes, **labels)
-            self.metrics.inc("Recorder/steps", decoded.length, **labels)
-            self.metrics.inc("Recorder/env_steps", decoded.length * decoded.num_envs, **labels)
+            self.metrics.inc_many(
+                {
+                    "Recorder/chunks": 1,
+                    "Recorder/raw_bytes": raw,
+                    "Recorder/wire_bytes": chunk.wire_bytes,
+                    "Recorder/steps": decoded.length,
+                    "Recorder/env_steps": decoded.length * decoded.num_envs,
+                },
+                session=self.name,
+            )
             return Applied.STORED
 
     def _drop_full(self, timeline: WorkerTimeline) -> Applied:

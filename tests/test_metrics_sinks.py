@@ -393,6 +393,71 @@ def test_each_write_summarises_every_episode_since_the_previous_one(tmp_path: Pa
         t.close()
 
 
+def test_batched_episodes_match_a_hand_count(tmp_path: Path, monkeypatch) -> None:
+    """Episodes are folded in batches: each written summary still covers exactly the
+    episodes since the sink's previous write, and every read sees every episode."""
+    import numpy as np
+
+    from recorder_server.metrics import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_FOLD_AT", 7)  # fold on size as well as on reads
+    clock = FakeClock()
+    jsonl = tmp_path / "m.jsonl"
+    config = MetricsConfig(jsonl_path=jsonl, jsonl_gate=WriteGate(min_interval_s=3.0))
+    t = MetricsTracker(config, clock=clock)
+    rng = np.random.default_rng(5)
+    seen_r: list[float] = []
+    seen_l: list[float] = []
+    window: list[tuple[float, float]] = []
+    expected = []
+    try:
+        for call in range(60):
+            n = int(rng.integers(1, 5))
+            returns = rng.normal(size=n).round(3)
+            lengths = rng.integers(1, 300, size=n)
+            before = len(read_jsonl(jsonl)) if jsonl.exists() else 0
+            t.observe_episodes(returns, lengths, step=call + 1, session="s")
+            window += zip(returns.tolist(), lengths.tolist())
+            seen_r += returns.tolist()
+            seen_l += lengths.tolist()
+            returns[:] = 99.0  # the caller reuses its buffer
+            if len(read_jsonl(jsonl)) > before:  # this call opened the gate
+                r, ln = zip(*window)
+                expected.append((call + 1, len(r), min(r), max(r), max(ln), sum(ln) / len(ln)))
+                window = []
+            if call % 9 == 4:
+                assert t.snapshot()["Episode/count/session=s"] == len(seen_r)
+            clock.now += 1
+        rows = [x for x in read_jsonl(jsonl) if x["tag"].startswith("Episode/")]
+        by_step: dict[int, dict[str, float]] = {}
+        for x in rows:
+            by_step.setdefault(x["step"], {})[x["tag"].split("/session=")[0]] = x["value"]
+        got = [
+            (
+                step,
+                v["Episode/count"],
+                v["Episode/return_min"],
+                v["Episode/return_max"],
+                v["Episode/length_max"],
+                v["Episode/length_mean"],
+            )
+            for step, v in sorted(by_step.items())
+        ]
+        assert len(expected) >= 15
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected, strict=True):
+            assert g == pytest.approx(e)
+        host, port = t.start_http("127.0.0.1", 0)
+        samples = scrape(host, port)
+        label = (("session", "s"),)
+        assert samples[("rollout_recorder_episode_return_count", label)] == len(seen_r)
+        assert samples[("rollout_recorder_episode_length_sum", label)] == sum(seen_l)
+        le0 = samples[("rollout_recorder_episode_return_bucket", (("le", "0.0"), *label))]
+        assert le0 == sum(1 for r in seen_r if r <= 0.0)
+    finally:
+        t.close()
+
+
 def test_catalogue_counters_are_counters_with_help_text(tracker: MetricsTracker) -> None:
     host, port = tracker.start_http("127.0.0.1", 0)
     tracker.log_many(

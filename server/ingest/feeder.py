@@ -271,11 +271,13 @@ class EpisodeFeeder:
         if self.store is not None:
             self._note_ids(items, closed)
         labels = {"session": self.session}
+        if recorded:
+            finished = sum(c.finished.lengths.size for c in recorded)
+            self.metrics.inc("Recorder/episodes_finished", float(finished), **labels)
         for c in recorded:
             # Every episode reaches the histograms and the sinks' summaries, stamped with the
             # env steps after the chunk that finished it.
             lengths, returns = c.finished.lengths, c.finished.returns
-            self.metrics.inc("Recorder/episodes_finished", float(lengths.size), **labels)
             self.metrics.observe_episodes(returns, lengths, c.step_after, **labels)
         if recorded:
             # The store's gauges once per call, at its last chunk's step.

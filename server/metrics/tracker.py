@@ -119,6 +119,9 @@ _NOT_NAME = re.compile(r"[^a-zA-Z0-9_]+")
 _UNDERSCORES = re.compile(r"__+")
 
 _NEVER = -(2**62)
+# Pending episodes of one series folded at once, at the latest (bounds the queue when
+# nothing reads the tracker).
+_FOLD_AT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,8 @@ class _Family:
 
 
 class _Episodes:
-    """One episode series: histogram counts and totals (Prometheus, `snapshot`)."""
+    """One episode series: histogram counts and totals (Prometheus, `snapshot`), and the
+    episodes observed since they were last folded in (`pending`)."""
 
     __slots__ = (
         "count",
@@ -259,6 +263,8 @@ class _Episodes:
         "len_max",
         "len_min",
         "len_sum",
+        "pending",
+        "pending_n",
         "ret_counts",
         "ret_max",
         "ret_min",
@@ -273,6 +279,8 @@ class _Episodes:
         self.ret_min = self.len_min = float("inf")
         self.ret_max = self.len_max = float("-inf")
         self.folded = folded  # fold_tag of each of EPISODE_TAGS
+        self.pending: list[tuple[np.ndarray, np.ndarray, int]] = []  # returns, lengths, step
+        self.pending_n = 0
 
 
 def _summary_values(acc: list[float]) -> tuple[float, ...]:
@@ -344,6 +352,7 @@ class MetricsTracker:
         self._gauges: dict[object, tuple[float, int]] = {}  # value, seq
         self._series: dict[object, _Series] = {}
         self._episodes: dict[object, _Episodes] = {}
+        self._unfolded: set[object] = set()  # keys of series with pending episodes
         self._return_bounds = np.asarray(self.config.return_buckets, dtype=np.float64)
         self._length_bounds = np.asarray(self.config.length_buckets, dtype=np.float64)
         self._families: dict[str, _Family] = {}
@@ -440,25 +449,20 @@ class MetricsTracker:
         self, returns: np.ndarray, lengths: np.ndarray, step: int, **labels: object
     ) -> None:
         """Record finished episodes (their returns and lengths) at a global step: the
-        histograms, and the summary each pushed sink writes at its next write."""
+        histograms, and the summary each pushed sink writes at its next write.
+
+        The episodes are queued and folded into the histograms and summaries in batches,
+        before anything reads them: numpy's per-call overhead is paid per batch, not per
+        chunk."""
         step = operator.index(step)
-        returns = np.asarray(returns, dtype=np.float64).reshape(-1)
-        lengths = np.asarray(lengths, dtype=np.float64).reshape(-1)
+        # Copies: the caller's arrays may be reused once this returns.
+        returns = np.array(returns, dtype=np.float64).reshape(-1)
+        lengths = np.array(lengths, dtype=np.float64).reshape(-1)
         n = returns.size
         if n != lengths.size:
             raise ValueError(f"lengths: expected {n} values (one per return), got {lengths.size}")
         if n == 0:
             return
-        with np.errstate(all="ignore"):
-            r_sum, l_sum = float(returns.sum()), float(lengths.sum())
-            r_min, r_max = float(returns.min()), float(returns.max())
-            l_min, l_max = float(lengths.min()), float(lengths.max())
-        r_bins = np.bincount(
-            np.searchsorted(self._return_bounds, returns), minlength=self._return_bounds.size + 1
-        )
-        l_bins = np.bincount(
-            np.searchsorted(self._length_bounds, lengths), minlength=self._length_bounds.size + 1
-        )
         lkey = _label_key(labels) if labels else ()
         key: object = (_EPISODES, lkey)
         now = self._clock()
@@ -473,33 +477,71 @@ class MetricsTracker:
             if ep is None:
                 self._register(key, _RETURN_TAG, lkey, _EPISODES)
                 folded = tuple(fold_tag(t, dict(lkey)) for t in EPISODE_TAGS)
-                ep = self._episodes[key] = _Episodes(r_bins.size, l_bins.size, folded)
-            ep.ret_counts += r_bins
-            ep.len_counts += l_bins
-            ep.count += n
-            ep.ret_sum += r_sum
-            ep.len_sum += l_sum
-            ep.ret_min = min(ep.ret_min, r_min)
-            ep.ret_max = max(ep.ret_max, r_max)
-            ep.len_min = min(ep.len_min, l_min)
-            ep.len_max = max(ep.len_max, l_max)
-            for s in self._push:
-                acc = s.episodes.get(key)
-                if acc is None:
-                    s.episodes[key] = [n, r_sum, r_min, r_max, l_sum, l_min, l_max, step]
-                else:
-                    acc[0] += n
-                    acc[1] += r_sum
-                    acc[2] = min(acc[2], r_min)
-                    acc[3] = max(acc[3], r_max)
-                    acc[4] += l_sum
-                    acc[5] = min(acc[5], l_min)
-                    acc[6] = max(acc[6], l_max)
-                    acc[7] = step
+                bins = (self._return_bounds.size + 1, self._length_bounds.size + 1)
+                ep = self._episodes[key] = _Episodes(*bins, folded)
+            ep.pending.append((returns, lengths, step))
+            ep.pending_n += n
+            self._unfolded.add(key)
+            if ep.pending_n >= _FOLD_AT:
+                self._fold(key, ep)
             if self._push:
                 due = self._due(step, now)
         if due:
             self._write(due)
+
+    def _fold(self, key: object, ep: _Episodes) -> None:
+        """Add a series' pending episodes to its totals and histograms and to every pushed
+        sink's summary window (lock held)."""
+        pending, ep.pending, ep.pending_n = ep.pending, [], 0
+        self._unfolded.discard(key)
+        if not pending:
+            return
+        if len(pending) == 1:
+            returns, lengths, step = pending[0]
+        else:
+            returns = np.concatenate([p[0] for p in pending])
+            lengths = np.concatenate([p[1] for p in pending])
+            step = pending[-1][2]
+        n = returns.size
+        with np.errstate(all="ignore"):  # NaN and inf returns are data; they propagate
+            r_sum, l_sum = float(returns.sum()), float(lengths.sum())
+            r_min, r_max = float(returns.min()), float(returns.max())
+            l_min, l_max = float(lengths.min()), float(lengths.max())
+        ep.ret_counts += np.bincount(
+            np.searchsorted(self._return_bounds, returns), minlength=ep.ret_counts.size
+        )
+        ep.len_counts += np.bincount(
+            np.searchsorted(self._length_bounds, lengths), minlength=ep.len_counts.size
+        )
+        ep.count += n
+        ep.ret_sum += r_sum
+        ep.len_sum += l_sum
+        ep.ret_min = min(ep.ret_min, r_min)
+        ep.ret_max = max(ep.ret_max, r_max)
+        ep.len_min = min(ep.len_min, l_min)
+        ep.len_max = max(ep.len_max, l_max)
+        for s in self._push:
+            acc = s.episodes.get(key)
+            if acc is None:
+                s.episodes[key] = [n, r_sum, r_min, r_max, l_sum, l_min, l_max, step]
+            else:
+                acc[0] += n
+                acc[1] += r_sum
+                acc[2] = min(acc[2], r_min)
+                acc[3] = max(acc[3], r_max)
+                acc[4] += l_sum
+                acc[5] = min(acc[5], l_min)
+                acc[6] = max(acc[6], l_max)
+                acc[7] = step
+
+    def _fold_all(self) -> None:
+        """Fold every series' pending episodes (lock held): before anything reads them."""
+        for key in list(self._unfolded):
+            ep = self._episodes.get(key)
+            if ep is None:
+                self._unfolded.discard(key)
+            else:
+                self._fold(key, ep)
 
     def _due(self, step: int, now: float) -> list[_GatedSink]:
         """The pushed sinks whose gates open for a log at ``step`` (lock held)."""
@@ -528,6 +570,25 @@ class MetricsTracker:
             else:
                 self._counters[key] = (old[0] + amount, seq)
 
+    def inc_many(self, amounts: Mapping[str, float], **labels: object) -> None:
+        """``inc`` for several counters with the same labels, under one lock."""
+        values = [(tag, float(a)) for tag, a in amounts.items()]
+        for tag, amount in values:
+            if not amount >= 0:
+                raise ValueError(f"counter {tag!r}: amount must be >= 0, got {amount!r}")
+        lkey = _label_key(labels) if labels else ()
+        counters = self._counters
+        with self._lock:
+            for tag, amount in values:
+                key: object = (tag, lkey) if labels else tag
+                self._seq = seq = self._seq + 1
+                old = counters.get(key)
+                if old is None:
+                    self._register(key, tag, lkey, _COUNTER)
+                    counters[key] = (amount, seq)
+                else:
+                    counters[key] = (old[0] + amount, seq)
+
     def set(self, tag: str, value: float, **labels: object) -> None:
         """Set a gauge to ``value``."""
         value = float(value)
@@ -555,6 +616,7 @@ class MetricsTracker:
                 self._gauges.pop(key, None)
                 self._scalars.pop(key, None)
                 self._episodes.pop(key, None)
+                self._unfolded.discard(key)
                 if "session" in labels:
                     self._session_step.pop(str(labels["session"]), None)
                 for s in self._push:
@@ -567,6 +629,7 @@ class MetricsTracker:
     def snapshot(self) -> dict[str, float]:
         """Current value of every counter, gauge and last scalar, keyed by folded tag."""
         with self._lock:
+            self._fold_all()
             series = self._series
             out = {series[k].folded: v[0] for k, v in self._counters.items()}
             out.update((series[k].folded, v[0]) for k, v in self._gauges.items())
@@ -647,7 +710,7 @@ class MetricsTracker:
             quiet = now - self._last_value
             for s in self._push:
                 interval = s.min_interval or self.config.idle_flush_s
-                if (self._seq > s.written_seq or s.episodes) and (
+                if (self._seq > s.written_seq or s.episodes or self._unfolded) and (
                     now - s.last_time >= interval or quiet >= interval / 4
                 ):
                     s.last_time = now
@@ -716,6 +779,7 @@ class MetricsTracker:
     def _collect(self, sink: _GatedSink) -> list[Row]:
         """Rows changed since the sink's previous write, and the summary of the episodes
         observed since then (lock held; the sink's episode windows start afresh)."""
+        self._fold_all()
         since = sink.written_seq
         series = self._series
         rows: list[Row] = []
@@ -764,6 +828,7 @@ class MetricsTracker:
 
     def _prometheus_rows(self) -> list[PromRow]:
         with self._lock:
+            self._fold_all()
             series = self._series
             items: list[tuple[_Series, object]] = [
                 (series[k], v[0]) for k, v in self._counters.items()
@@ -816,6 +881,9 @@ class NullMetrics:
         pass
 
     def inc(self, tag: str, amount: float = 1.0, **labels: object) -> None:
+        pass
+
+    def inc_many(self, amounts: Mapping[str, float], **labels: object) -> None:
         pass
 
     def set(self, tag: str, value: float, **labels: object) -> None:
