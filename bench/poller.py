@@ -26,10 +26,20 @@ class DashboardPoller:
         self.latencies_ms: list[float] = []
         self.spans_ns: list[tuple[int, int]] = []  # each poll's perf_counter_ns start and end
         self._stop = threading.Event()
+        self._active = threading.Event()  # polls are made only while set (`pause`, `resume`)
+        self._active.set()
         self._thread = threading.Thread(target=self._run, name="dashboard-poller", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def pause(self) -> None:
+        """No polls until `resume` (the clock keeps its pace: a poll falls due meanwhile is
+        skipped)."""
+        self._active.clear()
+
+    def resume(self) -> None:
+        self._active.set()
 
     def stop(self) -> None:
         """Stops polling (again: a no-op)."""
@@ -45,6 +55,10 @@ class DashboardPoller:
         next_at = time.monotonic()
         while not self._stop.is_set():
             t0 = time.perf_counter_ns()
+            if not self._active.is_set():
+                next_at += self.interval_s
+                self._stop.wait(max(0.0, next_at - time.monotonic()))
+                continue
             try:
                 sessions = self._get("/api/sessions").get("sessions", [])
                 if sessions:

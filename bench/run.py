@@ -268,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_scenario(ctx, doc, sc, rep, progress, args.keep_tmp)
                     if result is not None:
                         runs.setdefault(sc.name, []).append(result)
+        by_name = {sc.name: sc for sc in selected}
         for name, results in runs.items():
-            ctx.results[name] = median_run(results)
+            ctx.results[name] = (by_name[name].combine or median_run)(results)
         if args.profile:
             from profile_ingest import profile_ingest
 

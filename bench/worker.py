@@ -90,6 +90,8 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     )
     rss_ready = maxrss_bytes()
     emit("ready", rss_ready=rss_ready)
+    if spec.get("bursts"):
+        return run_bursts(spec, pool, rec)
     wait_for_go()
     lat: list[int] = []
     cpu0 = cpu_s()
@@ -128,6 +130,24 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     import recorder_client
 
     out["recorder_client"] = recorder_client.__file__
+    return out
+
+
+def run_bursts(spec: dict[str, Any], pool: list, rec: Any) -> dict[str, Any]:
+    """On each "burst" line: record `chunks` chunks, flush, and report the bytes acked; on
+    any other line, stop. The parent times the bursts."""
+    done = 0
+    cpu0 = cpu_s()
+    while sys.stdin.readline().strip() == "burst":
+        before = rec.stats.raw_bytes
+        for _ in range(spec["chunks"]):
+            c = pool[done % len(pool)]
+            rec.record(c.rollout, c.states)
+            done += 1
+        rec.flush()
+        emit("burst", raw_bytes=rec.stats.raw_bytes - before)
+    out = {"chunks": done, "raw_bytes": rec.stats.raw_bytes, "cpu_s": cpu_s() - cpu0}
+    rec.close()
     return out
 
 
