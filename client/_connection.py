@@ -6,6 +6,7 @@ object; nothing else holds the stub.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -70,18 +71,28 @@ class Connection:
         future.add_done_callback(finished)
 
     def connect(self, method: str, request: Any) -> Any:
-        """A unary call that waits for a server still starting, up to connect_timeout."""
-        try:
-            return getattr(self._stub, method)(
-                request, timeout=self.connect_timeout, wait_for_ready=True
-            )
-        except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise RecorderUnavailableError(
-                    f"recorder server at {self.target} unreachable within "
-                    f"{self.connect_timeout}s ({err.details()})"
-                ) from None
-            raise from_rpc_error(err, self.target) from None
+        """A unary call that waits for a server still starting, up to connect_timeout; a
+        call the transport cancelled (this client cancels none) is made again until then.
+        Only for calls that may be repeated (Join)."""
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.05
+        while True:
+            try:
+                return getattr(self._stub, method)(
+                    request, timeout=max(deadline - time.monotonic(), 0.001), wait_for_ready=True
+                )
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.CANCELLED and time.monotonic() + delay < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    continue
+                if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    raise RecorderUnavailableError(
+                        f"recorder server at {self.target} unreachable within "
+                        f"{self.connect_timeout}s ({err.details()})"
+                    ) from None
+                raise from_rpc_error(err, self.target) from None
 
     def download(self, method: str, request: Any) -> Iterator[Any]:
         """The messages of a server-streaming call, read to the end."""

@@ -34,8 +34,15 @@ from .errors import (
 
 logger = logging.getLogger(__name__)
 
-# Status codes after which the stream is reopened and unacknowledged chunks resent.
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND}
+# Status codes after which the stream is reopened and unacknowledged chunks resent. This
+# client never cancels its stream: CANCELLED comes from the transport or the server's side
+# (seen with a thousand streams opening at once on a loaded machine).
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.CANCELLED,
+}
 # Seconds without an ack after which an idle worker's counters are asked for again.
 _STALE_S = 0.02
 # Refusal kinds a fresh join resolves (the worker expired, or the server restarted).
