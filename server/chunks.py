@@ -22,6 +22,7 @@ from .errors import RequestError, invalid
 
 STATE = "state:"
 _NUM_OUTCOMES = len(EpisodeOutcome)
+_ALWAYS_DECODED = frozenset({"done", "reward", "outcome"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ class EncodedArray:
 
     def decode_into(self, out: np.ndarray, what: str) -> None:
         _wire.decode_into(self.codec, self.data, out, what)
+
+
+def zero_frame(enc: EncodedArray) -> EncodedArray:
+    """An array like `enc` holding zeros: what stands for a frame found not to decode."""
+    data = zstandard.ZstdCompressor(level=1).compress(bytes(enc.nbytes))
+    return EncodedArray(enc.dtype, enc.shape, _wire.CODEC_ZSTD, data)
 
 
 def encoded_array(
@@ -287,6 +294,8 @@ class DecodedChunk:
     dones: np.ndarray
     arrays: dict[str, np.ndarray]
     schema: Schema = field(default_factory=dict)
+    unverified: tuple[str, ...] = ()
+    """Keys whose frames were checked from their headers only (see `decode_chunk`)."""
 
 
 def _fresh(key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -294,10 +303,18 @@ def _fresh(key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def decode_chunk(
-    chunk: Chunk, config: SessionConfig, alloc: Allocator | None = None
+    chunk: Chunk,
+    config: SessionConfig,
+    alloc: Allocator | None = None,
+    lazy: Callable[[str], bool] | None = None,
 ) -> DecodedChunk:
     """Check one chunk on its own (shapes agree, dtypes and fields allowed, frames intact)
-    and decode it; ``alloc`` gives the buffers the arrays are decoded into."""
+    and decode it; ``alloc`` gives the buffers the arrays are decoded into.
+
+    The arrays for which ``lazy(key)`` is true are not decoded: their frames were checked
+    from their headers (`encoded_array`: one whole frame that declares the array's size),
+    and the entropy-coded content is proved later, off the ack path
+    (`Session.verify`). The done flags, rewards and outcome codes are always decoded."""
     arrays = chunk.arrays
     for name in ("action", "reward", "done"):
         if name not in arrays:
@@ -343,16 +360,19 @@ def decode_chunk(
     take = alloc or _fresh
     decoded: dict[str, np.ndarray] = {}
     schema: Schema = {}
+    later: list[str] = []
     for key, enc in arrays.items():
-        # Decoding proves the frame is intact before the ack promises anything.
+        if key not in ("done", "outcome"):
+            schema[key] = (enc.dtype, enc.shape[2:])
+        if lazy is not None and key not in _ALWAYS_DECODED and lazy(key):
+            later.append(key)
+            continue
         out = take(key, enc.shape, enc.dtype)
         try:
             enc.decode_into(out, f"chunk.{key}")
         except ValueError as exc:
             raise invalid(str(exc)) from None
         decoded[key] = out
-        if key not in ("done", "outcome"):
-            schema[key] = (enc.dtype, enc.shape[2:])
     codes = decoded.get("outcome")
     if codes is not None and codes.size:
         bad = (codes < 0) | (codes >= _NUM_OUTCOMES)
@@ -362,7 +382,7 @@ def decode_chunk(
                 f"chunk.outcome: expected codes 0..{_NUM_OUTCOMES - 1} (EpisodeOutcome), "
                 f"got {int(codes[t, e])} at step {t} of environment {e}"
             )
-    return DecodedChunk(chunk.sequence, length, n, decoded["done"], decoded, schema)
+    return DecodedChunk(chunk.sequence, length, n, decoded["done"], decoded, schema, tuple(later))
 
 
 def check_schema(expected: Schema | None, num_envs: int | None, chunk: DecodedChunk) -> None:

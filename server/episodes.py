@@ -29,6 +29,9 @@ class StoredChunk:
     outcome: EncodedArray | None = None
     """The (T, N) outcome codes as sent, when the chunk had them (the dataset sink reads
     them; finish() does not)."""
+    unverified: tuple[str, ...] = ()
+    """Keys of `arrays` whose frames are not yet proved to decode (`Session.verify`)."""
+    origin: str = ""  # "chunk 7 of worker 'w0'", for the log when a frame does not decode
 
     def spans(self, start: int, end: int) -> bool:
         """Whether any of steps start..end-1 lie in this chunk."""

@@ -13,20 +13,30 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from recorder_client import _wire
 from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
 from recorder_client.status import SessionStatus, WorkerStatus
 
-from .chunks import Chunk, Schema, SessionConfig, SubmittedEpisode, check_schema, decode_chunk
+from .chunks import (
+    Chunk,
+    Schema,
+    SessionConfig,
+    SubmittedEpisode,
+    check_schema,
+    decode_chunk,
+    zero_frame,
+)
 from .dataset.cursor import DatasetCursor
 from .durability import records
 from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
-from .episodes import Assembly, NoEpisodesError, WorkerTimeline, assemble
+from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
 from .errors import ErrorKind, RequestError, invalid
 from .ingest import ChunkEpisodes, EpisodeFeeder
+from .ingest.feeder import scratch
+from .ingest.verify import VERIFIER
 from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
 logger = logging.getLogger(__name__)
@@ -156,6 +166,10 @@ class Session:
         # Called with the session lock held before a logged reset clears the chunks (the
         # dataset sink writes every finished episode first); None without a sink.
         self.before_reset: Callable[[Session], None] | None = None
+        # Stored chunks whose action and state frames are not yet proved to decode.
+        self._unverified: collections.deque[StoredChunk] = collections.deque()
+        self._verify_lock = threading.Lock()
+        self.chunks_corrupt = 0
         self.clear_counters()
 
     def clear_counters(self) -> None:
@@ -345,7 +359,7 @@ class Session:
                 return self._drop_full(timeline)
             if chunk.refused is not None:
                 raise chunk.refused
-            decoded = decode_chunk(chunk, self.config, self.feeder.alloc)
+            decoded = decode_chunk(chunk, self.config, self.feeder.alloc, self._lazy)
             with self.lock:
                 if self.dropped:
                     raise RequestError(
@@ -370,6 +384,11 @@ class Session:
                 env, start, end = timeline.add_chunk(
                     decoded.dones, stored, chunk.wire_bytes, chunk.arrays.get("outcome")
                 )
+                if decoded.unverified:
+                    kept = timeline.chunks[-1]
+                    kept.unverified = decoded.unverified
+                    kept.origin = f"chunk {seq} of worker {worker_id!r}"
+                    self._unverified.append(kept)
                 if self.schema is None:
                     self.schema = decoded.schema
                 self.done_count += int(env.size)
@@ -405,7 +424,70 @@ class Session:
                 },
                 session=self.name,
             )
+            if decoded.unverified:
+                VERIFIER.submit(self)
             return Applied.STORED
+
+    # -- frames acknowledged on their headers (see ingest.verify) ---------
+    def _lazy(self, key: str) -> bool:
+        """Whether a chunk's array `key` is acknowledged before it is decoded: what neither
+        the feeder nor the store path reads (with a store, everything is decoded as it
+        arrives, since stored episodes read their chunks back)."""
+        return self.processor.store is None and not self.feeder.needs(key)
+
+    def verify(self, chunks: Iterable[StoredChunk]) -> None:
+        """Prove these chunks' frames decode before they are read (finish(), the dataset
+        sink); each one is proved once, here or by the background verifier."""
+        for chunk in chunks:
+            if chunk.unverified:
+                self._verify_chunk(chunk)
+
+    def queue_unverified(self) -> None:
+        """Hand every stored chunk not yet proved to the background verifier (restored
+        chunks)."""
+        with self.lock:
+            for timeline in self.workers.values():
+                self._unverified.extend(c for c in timeline.chunks if c.unverified)
+        if self._unverified:
+            VERIFIER.submit(self)
+
+    def verify_some(self, limit: int) -> None:
+        for _ in range(limit):
+            try:
+                chunk = self._unverified.popleft()
+            except IndexError:
+                return
+            if chunk.unverified:
+                self._verify_chunk(chunk)
+
+    def verify_pending(self) -> int:
+        return len(self._unverified)
+
+    def unverified_chunks(self) -> int:
+        """Stored chunks whose frames are not yet proved (the queue may hold some a reader
+        proved first)."""
+        return sum(1 for c in list(self._unverified) if c.unverified)
+
+    def _verify_chunk(self, chunk: StoredChunk) -> None:
+        # Marked verified only once done: a reader that finds it verified reads final frames.
+        with self._verify_lock:
+            for key in chunk.unverified:
+                enc = chunk.arrays[key]
+                try:
+                    enc.decode_into(scratch(enc.shape, enc.dtype), f"chunk.{key}")
+                except ValueError as exc:
+                    chunk.arrays[key] = zero_frame(enc)
+                    self.chunks_corrupt += 1
+                    self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
+                    logger.warning(
+                        "session %r: %s was acknowledged, but its %s frame does not decode "
+                        "(%s); it reads as zeros",
+                        self.name,
+                        chunk.origin or f"the chunk at step {chunk.t0}",
+                        key,
+                        exc,
+                    )
+            chunk.unverified = ()
 
     def _drop_full(self, timeline: WorkerTimeline) -> Applied:
         with self.lock:
@@ -454,6 +536,7 @@ class Session:
                 self.processor.store.encode_deferred()
             for timeline in self.workers.values():
                 timeline.clear()
+            self._unverified.clear()
             self.clear_counters()
             # Workers that left or expired held a place only for their chunks.
             # (No worker lock: an inactive worker's chunk is refused before it changes

@@ -327,6 +327,7 @@ class DatasetSink:
         windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
         for worker_id, index, env, start, end, chunks, ids in parts:
             n = end - start
+            session.verify(chunks)
             picked, codes = _gather_steps(chunks, fields, env, start, n)
             for spec in fields:
                 values[spec.column].append(picked[spec.column])

@@ -464,7 +464,10 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
                         f"{outcome.dtype} {list(outcome.shape)}"
                     )
             wire = _count(c["wire_bytes"], "wire_bytes")
-            tl.chunks.append(StoredChunk(t, length, arrays, wire, outcome))
+            # Frames are checked from their headers here; their content is proved when
+            # they are read (a checkpoint may precede the background verifier).
+            later = tuple(k for k in arrays if k not in ("done", "reward"))
+            tl.chunks.append(StoredChunk(t, length, arrays, wire, outcome, later))
             t += length
         if _count(entry["t_total"], "t_total") != t:
             raise SnapshotError(
@@ -530,6 +533,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         except ValueError as exc:
             raise SnapshotError(f"state.store: {exc}") from None
     session.feeder.restore(tails, list(session.workers.values()))
+    session.queue_unverified()
     session.feeder.trajectory_ids = {i: [ids] for i, ids in trajectory_ids.items()}
     if "dataset" in meta:  # a state from before the dataset sink has none
         try:

@@ -35,7 +35,7 @@ _local = threading.local()
 _SCRATCH_BYTES = 64 << 20
 
 
-def _scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A buffer of this thread's to decode into and drop: the next call may reuse it."""
     cache = getattr(_local, "scratch", None)
     if cache is None:
@@ -145,7 +145,7 @@ class EpisodeFeeder:
         """A buffer to decode a chunk's array into: pooled for the arrays the store path
         keys and gives back, scratch (reused by this thread) for those nobody reads."""
         if key not in self._needs:
-            return _scratch(shape, dtype)
+            return scratch(shape, dtype)
         if self.buffers is None or key in ("done", "outcome"):
             return np.empty(shape, dtype=dtype)
         return self.buffers.take(shape, dtype)

@@ -41,6 +41,12 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("Recorder/chunks_dropped_full", COUNTER, "Chunks dropped: max_episodes reached."),
     MetricSpec("Recorder/chunks_rejected", COUNTER, "Chunks refused as invalid."),
     MetricSpec(
+        "Recorder/chunks_corrupt",
+        COUNTER,
+        "Acknowledged chunks with an action or state frame found not to decode after the "
+        "ack (it was checked from its headers); the field reads as zeros.",
+    ),
+    MetricSpec(
         "Recorder/chunks_refused_no_space", COUNTER, "Chunks refused: the data directory is full."
     ),
     MetricSpec("Recorder/sequences_lost", COUNTER, "Acknowledged chunks lost (e.g. power cut)."),
@@ -58,6 +64,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Recorder/worker_lag_seconds", GAUGE, "Seconds since the worker last joined or sent.", _SW
     ),
     MetricSpec("Recorder/held_wire_bytes", GAUGE, "Wire bytes of the chunks the session holds."),
+    MetricSpec(
+        "Recorder/chunks_unverified",
+        GAUGE,
+        "Acknowledged chunks whose action and state frames are not yet proved to decode.",
+    ),
     # -- dataset sink (serve --dataset-uri)
     MetricSpec("Recorder/dataset_files_written", COUNTER, "Episode files written whole."),
     MetricSpec("Recorder/dataset_episodes_written", COUNTER, "Episodes written to the dataset."),

@@ -174,6 +174,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         with session.lock:  # the ids as the plan numbers them
             plan = session.assemble(request.pad_incomplete)
             worker_ids = list(session.workers)
+        session.verify(c for part in plan.per_worker for c in part.needed_chunks())
         yield convert.finish_header(plan, worker_ids)
         # The client that asks gathers the result from the stored chunks itself: no decode,
         # gather and re-compress here (most of the server's CPU for a finish()).
@@ -237,6 +238,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 )
             status = session.status()
             self.metrics.set("Recorder/held_wire_bytes", status.wire_bytes, session=session.name)
+            self.metrics.set(
+                "Recorder/chunks_unverified", session.unverified_chunks(), session=session.name
+            )
             replies.append(convert.status_to_proto(status, session.config))
         return pb.MetricsReply(
             values=self.metrics.snapshot(), sessions=replies, uptime_s=now - self._started

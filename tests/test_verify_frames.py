@@ -1,0 +1,157 @@
+"""Action and state frames are acknowledged on their headers and proved to decode later:
+a frame that does not decode is found without any read, reads as zeros in finish() (both
+ways of sending it) and after a kill -9 and a restart, and is counted and logged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from conftest import RestartableServer, wait_for
+
+from recorder_client import RolloutRecorder, _wire
+from recorder_client._credentials import make_channel
+from recorder_client._finish import assemble
+from recorder_client._messages import array_to_proto
+from recorder_client._proto import recorder_pb2 as pb
+from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+T, N = 16, 3
+
+
+def chunk_arrays(seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seq)
+    done = np.zeros((T, N), bool)
+    done[5, 0] = done[11, 1] = done[T - 1, :] = True
+    return {
+        "action": rng.integers(0, 9, (T, N)).astype(np.int32),
+        "reward": rng.normal(size=(T, N)).astype(np.float32),
+        "done": done,
+        "state:pos": rng.integers(0, 50, (T, N, 2)).astype(np.int32),
+    }
+
+
+def broken_frame(arr: np.ndarray) -> pb.ArrayData:
+    """A frame whose headers are right (one whole zstd frame declaring the array's size, one
+    compressed block) and whose block content does not decode."""
+    msg = array_to_proto(arr)
+    data = bytearray(msg.data)
+    assert zstandard.get_frame_parameters(bytes(data)).content_size == arr.nbytes
+    at = zstandard.frame_header_size(bytes(data))
+    block = int.from_bytes(data[at : at + 3], "little")
+    assert block & 1 and (block >> 1) & 3 == 2, "one compressed block"  # last, compressed
+    size = block >> 3
+    data[at + 3 : at + 3 + size] = b"\xff" * size
+    msg.data = bytes(data)
+    with pytest.raises(zstandard.ZstdError):
+        zstandard.ZstdDecompressor().decompress(msg.data, max_output_size=arr.nbytes)
+    return msg
+
+
+def record(stub, session: str, worker: str, chunks: list[pb.Chunk]) -> list[pb.RecordAck]:
+    config = pb.SessionConfig(record_states=True, state_fields=["pos"])
+    stub.Join(pb.JoinRequest(session=session, config=config, worker_id=worker), timeout=10)
+    opening = pb.RecordRequest(open=pb.RecordOpen(session=session, worker_id=worker))
+    requests = [opening, *(pb.RecordRequest(chunk=c) for c in chunks)]
+    return list(stub.Record(iter(requests), timeout=30))
+
+
+def make_chunks(broken: bool) -> list[pb.Chunk]:
+    out = []
+    for seq in (1, 2, 3):
+        arrays = chunk_arrays(seq)
+        msg = pb.Chunk(sequence=seq)
+        for name in ("action", "reward", "done"):
+            getattr(msg, name).CopyFrom(array_to_proto(arrays[name]))
+        pos = arrays["state:pos"]
+        if seq == 2:
+            data = broken_frame(pos) if broken else array_to_proto(np.zeros_like(pos))
+        else:
+            data = array_to_proto(pos)
+        msg.states.append(pb.NamedArray(name="pos", array=data))
+        out.append(msg)
+    return out
+
+
+def finish_both_ways(target: str, session: str):
+    with RolloutRecorder(
+        target=target, session=session, record_states=True, state_fields=["pos"]
+    ) as rec:
+        new = rec.finish()
+        request = pb.FinishRequest(session=session, pad_incomplete=True)  # gathered parts
+        old = assemble(rec._connection.download("Finish", request))
+    return new, old
+
+
+def same(a, b) -> None:
+    assert a.num_episodes == b.num_episodes
+    for name in ("actions", "rewards", "lengths"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_array_equal(a.states["pos"], b.states["pos"])
+
+
+def corrupt_count(stub, session: str) -> float:
+    values = stub.GetMetrics(pb.MetricsRequest(), timeout=10).values
+    return values.get(f"Recorder/chunks_corrupt/session={session}", 0.0)
+
+
+def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
+    server = RestartableServer(tmp_path / "data").start()
+    try:
+        with make_channel(server.address) as channel:
+            stub = pb_grpc.RecorderStub(channel)
+            acks = record(stub, "v", "bad", make_chunks(broken=True))
+            # Acknowledged: the headers are right, and nothing has decoded the block yet.
+            assert [a.sequence for a in acks] == [1, 2, 3]
+            assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+            record(stub, "ref", "bad", make_chunks(broken=False))
+            # The background verifier finds it with nothing reading the session.
+            assert wait_for(lambda: corrupt_count(stub, "v") == 1, timeout=20)
+            assert corrupt_count(stub, "ref") == 0
+        log = server.log_path.read_text()
+        assert "chunk 2 of worker 'bad' was acknowledged, but its state:pos frame" in log
+        assert "Traceback" not in log
+        new, old = finish_both_ways(server.address, "v")
+        ref, _ = finish_both_ways(server.address, "ref")
+        same(new, ref)
+        same(old, ref)
+        sent = chunk_arrays(1)["state:pos"]
+        assert np.isin(sent, new.states["pos"]).all() and new.states["pos"].any()
+
+        # After a crash the write-ahead log brings the frame back; it is found again, by the
+        # reader this time if it comes first.
+        server.kill()
+        server.start()
+        new, old = finish_both_ways(server.address, "v")
+        same(new, ref)
+        same(old, ref)
+        with make_channel(server.address) as channel:
+            stub = pb_grpc.RecorderStub(channel)
+            assert wait_for(lambda: corrupt_count(stub, "v") == 1, timeout=20)
+    finally:
+        server.stop()
+
+
+def test_headers_are_still_checked_before_the_ack(target: str) -> None:
+    """A frame that trails junk, or declares another size, is refused as before."""
+    with make_channel(target) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        chunks = make_chunks(broken=False)
+        pos = chunk_arrays(2)["state:pos"]
+        junk = array_to_proto(pos)
+        junk.data = junk.data + b"\x00junk"
+        chunks[1].states[0].array.CopyFrom(junk)
+        other = array_to_proto(pos)
+        other.data = _wire.encode(pos[:8])[1]
+        chunks[2].states[0].array.CopyFrom(other)
+        acks = record(stub, "hdr", "w", chunks)
+        assert [a.result for a in acks] == [
+            pb.RecordAck.STORED,
+            pb.RecordAck.REJECTED,
+            pb.RecordAck.REJECTED,
+        ], acks
+        assert "bytes after its" in acks[1].error_message, acks[1]
+        assert "it declares" in acks[2].error_message, acks[2]
+        assert corrupt_count(stub, "hdr") == 0
