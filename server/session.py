@@ -13,6 +13,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
@@ -159,7 +160,15 @@ class Session:
         self.processor = TrajectoryCaptureProcessor(
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
-        self.feeder = EpisodeFeeder(name, self.processor, metrics, queue_chunks=32)
+        # A weak reference: the feeder's held chunks must not keep a dropped session alive.
+        proving = weakref.WeakMethod(self._verify_chunk)
+
+        def prove(chunk: StoredChunk) -> None:
+            method = proving()
+            if method is not None:
+                method(chunk)
+
+        self.feeder = EpisodeFeeder(name, self.processor, metrics, queue_chunks=32, prove=prove)
         self.dataset = DatasetCursor()
         # Taken before self.lock by whatever writes this session's dataset (one at a time).
         self.dataset_lock = threading.Lock()
@@ -430,10 +439,10 @@ class Session:
 
     # -- frames acknowledged on their headers (see ingest.verify) ---------
     def _lazy(self, key: str) -> bool:
-        """Whether a chunk's array `key` is acknowledged before it is decoded: what neither
-        the feeder nor the store path reads (with a store, everything is decoded as it
-        arrives, since stored episodes read their chunks back)."""
-        return self.processor.store is None and not self.feeder.needs(key)
+        """Whether a chunk's array `key` is acknowledged before it is decoded: what the
+        feeder does not read as it arrives (a stored episode that reads it later proves it
+        first)."""
+        return not self.feeder.needs(key)
 
     def verify(self, chunks: Iterable[StoredChunk]) -> None:
         """Prove these chunks' frames decode before they are read (finish(), the dataset

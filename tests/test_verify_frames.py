@@ -155,3 +155,63 @@ def test_headers_are_still_checked_before_the_ack(target: str) -> None:
         assert "bytes after its" in acks[1].error_message, acks[1]
         assert "it declares" in acks[2].error_message, acks[2]
         assert corrupt_count(stub, "hdr") == 0
+
+
+class _NoBackground:
+    def submit(self, session) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reader", ["sample_start", "finish"])
+def test_a_reader_proves_what_it_reads_first(target: str, reader: str, monkeypatch) -> None:
+    """With the background thread kept away (this in-process server's), the reader proves
+    the frames it reads: a stored episode read back (sample_start's prefix) or finish().
+    With a store, the cell-key field is decoded before the ack; the other state field is
+    not."""
+    import json
+
+    from test_capture_remote import CONFIG, FIELDS, worker_chunks
+
+    from recorder_server import session as session_module
+
+    monkeypatch.setattr(session_module, "VERIFIER", _NoBackground())
+    config = pb.SessionConfig(
+        record_states=True,
+        state_fields=FIELDS,
+        capture_config_json=json.dumps(CONFIG.to_dict(), sort_keys=True),
+    )
+    chunks = []
+    for seq, (rollout, states, codes) in enumerate(worker_chunks(0), start=1):
+        msg = pb.Chunk(sequence=seq)
+        msg.action.CopyFrom(array_to_proto(rollout.action))
+        msg.reward.CopyFrom(array_to_proto(rollout.reward))
+        msg.done.CopyFrom(array_to_proto(rollout.done))
+        msg.outcome.CopyFrom(array_to_proto(codes))
+        pos, inv = states.player_positions, states.player_inventory
+        msg.states.append(pb.NamedArray(name="player_positions", array=array_to_proto(pos)))
+        msg.states.append(pb.NamedArray(name="player_inventory", array=broken_frame(inv)))
+        chunks.append(msg)
+    session = f"st-{reader}"
+    with make_channel(target) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        stub.Join(pb.JoinRequest(session=session, config=config, worker_id="bad"), timeout=10)
+        opening = pb.RecordRequest(open=pb.RecordOpen(session=session, worker_id="bad"))
+        requests = [opening, *(pb.RecordRequest(chunk=c) for c in chunks)]
+        acks = list(stub.Record(iter(requests), timeout=30))
+        assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+        assert corrupt_count(stub, session) == 0  # nothing has read them yet
+        with RolloutRecorder(
+            target=target, session=session, record_states=True, state_fields=FIELDS, capture=CONFIG
+        ) as viewer:
+            if reader == "sample_start":
+                start = viewer.capture.sample_start()
+                assert start is not None
+                _, read = start
+                inventory = read.states["player_inventory"]
+                positions = read.states["player_positions"]
+            else:
+                out = viewer.finish()
+                inventory = out.states[_wire.trajectory_name("player_inventory")]
+                positions = out.states[_wire.trajectory_name("player_positions")]
+        assert positions.any() and not inventory.any()
+        assert corrupt_count(stub, session) >= 1

@@ -14,6 +14,7 @@ import bisect
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,8 +105,12 @@ class EpisodeFeeder:
         queue_chunks: int = 32,
         max_tail_bytes: int = 128 << 20,
         max_batch: int = 32,
+        prove: Callable[[StoredChunk], None] | None = None,
     ) -> None:
+        """`prove(chunk)`: proves a stored chunk's frames decode before a stored episode
+        reads them (`Session.verify`)."""
         self.session = session
+        self.prove = prove
         self.processor = processor
         self.metrics = metrics
         self.max_tail_bytes = max_tail_bytes
@@ -221,10 +226,12 @@ class EpisodeFeeder:
                     break
                 kept.append(chunk)
             for chunk in reversed(kept):
+                # What the window keys (the reward and the cell fields): the frames a
+                # stored episode reads are proved when it reads them.
                 arrays = {
                     k: a.decode()
                     for k, a in chunk.arrays.items()
-                    if k == "reward" or k.startswith("state:")
+                    if k in self._needs and (k == "reward" or k.startswith("state:"))
                 }
                 self._hold(worker, chunk, arrays)
 
@@ -311,7 +318,7 @@ class EpisodeFeeder:
     def _add(self, index: int, sums: EpisodeSums) -> _Worker:
         held = None
         if self.store is not None:
-            held = HeldChunks(sums.num_envs)
+            held = HeldChunks(sums.num_envs, self.prove)
             self._ring.add_worker(held)
         worker = self._workers[index] = _Worker(sums, held)
         return worker

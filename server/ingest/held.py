@@ -23,18 +23,24 @@ from ..store.repository import blob_bound
 
 
 class HeldChunk:
-    """One held chunk: its place on the worker's time axis, its encoded arrays (action,
-    reward, state:<name>), what holding it costs, and why some of its steps could not be
-    keyed (None: all could)."""
+    """One held chunk: its place on the worker's time axis, the stored chunk (its encoded
+    arrays: action, reward, state:<name>), what holding it costs, and why some of its steps
+    could not be keyed (None: all could)."""
 
-    __slots__ = ("t0", "length", "encoded", "nbytes", "error")
+    __slots__ = ("t0", "length", "source", "nbytes", "error")
 
     def __init__(self, chunk: StoredChunk, nbytes: int) -> None:
         self.t0 = chunk.t0
         self.length = chunk.length
-        self.encoded = {k: a for k, a in chunk.arrays.items() if k not in ("done", "outcome")}
+        self.source = chunk
         self.nbytes = nbytes
         self.error: ValueError | None = None
+
+    @property
+    def encoded(self) -> dict:
+        """The arrays a stored episode reads, as the session holds them now (a frame found
+        not to decode is replaced there)."""
+        return {k: a for k, a in self.source.arrays.items() if k not in ("done", "outcome")}
 
 
 @dataclass
@@ -55,8 +61,10 @@ class Part:
 class HeldChunks:
     """One worker's held chunks, oldest first, and its rows in the session's window."""
 
-    def __init__(self, num_envs: int) -> None:
+    def __init__(self, num_envs: int, prove: Callable[[StoredChunk], None] | None = None) -> None:
         self.num_envs = num_envs
+        # Proves a chunk's frames decode before a stored episode decodes them.
+        self.prove = prove
         self.row = -1
         self.end = 0  # the window holds this worker's steps first..end
         self.chunks: collections.deque[HeldChunk] = collections.deque()
@@ -169,6 +177,8 @@ class HeldEpisode:
         for chunk in self.chunks:
             hit = cache.get(chunk.t0)
             if hit is None:
+                if self.group.prove is not None and chunk.source.unverified:
+                    self.group.prove(chunk.source)
                 hit = cache[chunk.t0] = (
                     chunk.t0 + chunk.length,
                     {k: a.decode() for k, a in chunk.encoded.items()},

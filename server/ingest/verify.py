@@ -5,7 +5,8 @@ that declares the array's size; `chunks.encoded_array`): decoding them is most o
 server's CPU per chunk, and nothing reads them until finish() or the dataset sink. Their
 content is proved here, by a process-wide thread at the lowest CPU priority, which takes
 whatever CPU ingest leaves; and by every reader, for the chunks it reads that the thread
-has not reached yet (`Session.verify`). A frame that does not decode is replaced by one of
+has not reached yet (`Session.verify`: finish(), the dataset sink, a stored episode read
+back). A frame that does not decode is replaced by one of
 zeros, so that it cannot fail a reader, and is counted (`Recorder/chunks_corrupt`) and
 logged with its worker, sequence and field.
 """
