@@ -178,7 +178,6 @@ class Session:
         # Stored chunks whose action and state frames are not yet proved to decode.
         self._unverified: collections.deque[StoredChunk] = collections.deque()
         self._verify_lock = threading.Lock()
-        self.chunks_corrupt = 0
         self.clear_counters()
 
     def clear_counters(self) -> None:
@@ -486,7 +485,6 @@ class Session:
                     enc.decode_into(scratch(enc.shape, enc.dtype), f"chunk.{key}")
                 except ValueError as exc:
                     chunk.arrays[key] = zero_frame(enc)
-                    self.chunks_corrupt += 1
                     self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
                     logger.warning(
                         "session %r: %s was acknowledged, but its %s frame does not decode "

@@ -6,9 +6,9 @@ server's CPU per chunk, and nothing reads them until finish() or the dataset sin
 content is proved here, by a process-wide thread at the lowest CPU priority, which takes
 whatever CPU ingest leaves; and by every reader, for the chunks it reads that the thread
 has not reached yet (`Session.verify`: finish(), the dataset sink, a stored episode read
-back). A frame that does not decode is replaced by one of
-zeros, so that it cannot fail a reader, and is counted (`Recorder/chunks_corrupt`) and
-logged with its worker, sequence and field.
+back). A frame that does not decode is replaced by one of zeros, so that it cannot fail a
+reader, and is counted (`Recorder/chunks_corrupt`) and logged with its worker, sequence and
+field.
 """
 
 from __future__ import annotations
