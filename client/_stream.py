@@ -462,6 +462,11 @@ class ChunkSender:
             # A chunk answered is counted, or never will be (dropped, refused, a resend).
             self._count_through(max(self._counted, ack.counted_through, ack.sequence))
             self._heard = time.monotonic()
+            # Earlier chunks of this worker's, found after their ack not to decode.
+            for message in ack.late_refusals:
+                self.stats.errors.append(from_status("INVALID_ARGUMENT", message, self._target))
+            if ack.late_refusals:
+                self._cond.notify_all()
             item = self._unacked.pop(ack.sequence, None)
             if item is None:
                 return

@@ -31,7 +31,8 @@ class StoredChunk:
     them; finish() does not)."""
     unverified: tuple[str, ...] = ()
     """Keys of `arrays` whose frames are not yet proved to decode (`Session.verify`)."""
-    origin: str = ""  # "chunk 7 of worker 'w0'", for the log when a frame does not decode
+    worker: str = ""  # the worker and sequence that sent it, named when a frame does not
+    sequence: int = 0  # decode
 
     def spans(self, start: int, end: int) -> bool:
         """Whether any of steps start..end-1 lie in this chunk."""

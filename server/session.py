@@ -178,6 +178,9 @@ class Session:
         # Stored chunks whose action and state frames are not yet proved to decode.
         self._unverified: collections.deque[StoredChunk] = collections.deque()
         self._verify_lock = threading.Lock()
+        # worker -> messages about its chunks found not to decode after their ack, for its
+        # next ack.
+        self._late: dict[str, list[str]] = {}
         self.clear_counters()
 
     def clear_counters(self) -> None:
@@ -303,6 +306,7 @@ class Session:
     def _forget(self, worker_id: str) -> None:
         # Call with the session lock held (and the worker's lock, unless it is inactive).
         del self.workers[worker_id]
+        self._late.pop(worker_id, None)
         self.forgotten[worker_id] = self.last_sequence.pop(worker_id)
         self.forgotten.move_to_end(worker_id)
         while len(self.forgotten) > MAX_FORGOTTEN:
@@ -395,7 +399,7 @@ class Session:
                 if decoded.unverified:
                     kept = timeline.chunks[-1]
                     kept.unverified = decoded.unverified
-                    kept.origin = f"chunk {seq} of worker {worker_id!r}"
+                    kept.worker, kept.sequence = worker_id, seq
                     self._unverified.append(kept)
                 if self.schema is None:
                     self.schema = decoded.schema
@@ -471,6 +475,13 @@ class Session:
     def verify_pending(self) -> int:
         return len(self._unverified)
 
+    def take_late_refusals(self, worker_id: str) -> list[str]:
+        """Messages about this worker's chunks found not to decode since it was last told."""
+        if not self._late:
+            return []
+        with self._verify_lock:
+            return self._late.pop(worker_id, [])
+
     def unverified_chunks(self) -> int:
         """Stored chunks whose frames are not yet proved (the queue may hold some a reader
         proved first)."""
@@ -486,14 +497,18 @@ class Session:
                 except ValueError as exc:
                     chunk.arrays[key] = zero_frame(enc)
                     self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
-                    logger.warning(
-                        "session %r: %s was acknowledged, but its %s frame does not decode "
-                        "(%s); it reads as zeros",
-                        self.name,
-                        chunk.origin or f"the chunk at step {chunk.t0}",
-                        key,
-                        exc,
+                    origin = (
+                        f"chunk {chunk.sequence} of worker {chunk.worker!r}"
+                        if chunk.worker
+                        else f"the chunk at step {chunk.t0}"
                     )
+                    message = (
+                        f"{origin} was acknowledged, but its {key} frame does not decode "
+                        f"({exc}); it reads as zeros"
+                    )
+                    logger.warning("session %r: %s", self.name, message)
+                    if chunk.worker:
+                        self._late.setdefault(chunk.worker, []).append(message)
             chunk.unverified = ()
 
     def _drop_full(self, timeline: WorkerTimeline) -> Applied:

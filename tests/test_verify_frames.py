@@ -11,7 +11,7 @@ import pytest
 import zstandard
 from conftest import RestartableServer, wait_for
 
-from recorder_client import RolloutRecorder, _wire
+from recorder_client import InvalidChunkError, RolloutRecorder, _wire
 from recorder_client._credentials import make_channel
 from recorder_client._finish import assemble
 from recorder_client._messages import array_to_proto
@@ -106,6 +106,8 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
             # Acknowledged: the headers are right, and nothing has decoded the block yet.
             assert [a.sequence for a in acks] == [1, 2, 3]
             assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+            # The proof may have come before chunk 3's ack, which then tells the worker.
+            told = [m for a in acks for m in a.late_refusals]
             record(stub, "ref", "bad", make_chunks(broken=False))
             # The background verifier finds it with nothing reading the session.
             assert wait_for(lambda: corrupt_count(stub, "v") == 1, timeout=20)
@@ -113,6 +115,26 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
         log = server.log_path.read_text()
         assert "chunk 2 of worker 'bad' was acknowledged, but its state:pos frame" in log
         assert "Traceback" not in log
+        # The worker that sent it hears of it on its next ack, once.
+        assert len(told) <= 1 and all("chunk 2 of worker 'bad' was ackno" in m for m in told)
+        for session in ("v", "ref"):
+            with RolloutRecorder(
+                target=server.address,
+                session=session,
+                worker_id="bad",
+                record_states=True,
+                state_fields=["pos"],
+            ) as rec:
+                arrays = chunk_arrays(4)
+                rollout = {k: arrays[k] for k in ("action", "reward", "done")}
+                rec.record(rollout, {"pos": arrays["state:pos"]})
+                if session == "v" and not told:
+                    with pytest.raises(
+                        InvalidChunkError, match="chunk 2 of worker 'bad' was ackno"
+                    ):
+                        rec.flush()
+                rec.record(rollout, {"pos": arrays["state:pos"]})
+                rec.flush()
         new, old = finish_both_ways(server.address, "v")
         ref, _ = finish_both_ways(server.address, "ref")
         same(new, ref)

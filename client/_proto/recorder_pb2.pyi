@@ -105,7 +105,7 @@ class RecordRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[RecordOpen, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class RecordAck(_message.Message):
-    __slots__ = ("sequence", "result", "error_code", "error_message", "is_full", "num_recorded_steps", "episodes_finished", "counters_version", "counted_through")
+    __slots__ = ("sequence", "result", "error_code", "error_message", "is_full", "num_recorded_steps", "episodes_finished", "counters_version", "counted_through", "late_refusals")
     class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         RESULT_UNSPECIFIED: _ClassVar[RecordAck.Result]
@@ -127,6 +127,7 @@ class RecordAck(_message.Message):
     EPISODES_FINISHED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTED_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    LATE_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     result: RecordAck.Result
     error_code: str
@@ -136,7 +137,8 @@ class RecordAck(_message.Message):
     episodes_finished: int
     counters_version: int
     counted_through: int
-    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., counters_version: _Optional[int] = ..., counted_through: _Optional[int] = ...) -> None: ...
+    late_refusals: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., counters_version: _Optional[int] = ..., counted_through: _Optional[int] = ..., late_refusals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("session", "pad_incomplete", "max_part_bytes", "chunk_frames")

@@ -7,8 +7,8 @@ content is proved here, by a process-wide thread at the lowest CPU priority, whi
 whatever CPU ingest leaves; and by every reader, for the chunks it reads that the thread
 has not reached yet (`Session.verify`: finish(), the dataset sink, a stored episode read
 back). A frame that does not decode is replaced by one of zeros, so that it cannot fail a
-reader, and is counted (`Recorder/chunks_corrupt`) and logged with its worker, sequence and
-field.
+reader, is counted (`Recorder/chunks_corrupt`) and logged with its worker, sequence and
+field, and is reported to that worker on its next ack (`RecordAck.late_refusals`).
 """
 
 from __future__ import annotations

@@ -151,7 +151,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             session=session.name,
             worker=worker_id,
         )
-        return convert.ack(msg.sequence, applied, *session.counters_for(worker_id))
+        reply = convert.ack(msg.sequence, applied, *session.counters_for(worker_id))
+        reply.late_refusals.extend(session.take_late_refusals(worker_id))
+        return reply
 
     async def Record(
         self, request_iterator: AsyncIterator[pb.RecordRequest], context
