@@ -22,7 +22,8 @@ from .errors import RequestError, invalid
 
 STATE = "state:"
 _NUM_OUTCOMES = len(EpisodeOutcome)
-_ALWAYS_DECODED = frozenset({"done", "reward", "outcome"})
+# Decoded before every ack: episodes are split and counted from them.
+ALWAYS_DECODED = frozenset({"done", "reward", "outcome"})
 
 
 @dataclass(frozen=True)
@@ -364,7 +365,7 @@ def decode_chunk(
     for key, enc in arrays.items():
         if key not in ("done", "outcome"):
             schema[key] = (enc.dtype, enc.shape[2:])
-        if lazy is not None and key not in _ALWAYS_DECODED and lazy(key):
+        if lazy is not None and key not in ALWAYS_DECODED and lazy(key):
             later.append(key)
             continue
         out = take(key, enc.shape, enc.dtype)

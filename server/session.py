@@ -490,13 +490,14 @@ class Session:
     def _verify_chunk(self, chunk: StoredChunk) -> None:
         # Marked verified only once done: a reader that finds it verified reads final frames.
         with self._verify_lock:
+            corrupt = False
             for key in chunk.unverified:
                 enc = chunk.arrays[key]
                 try:
                     enc.decode_into(scratch(enc.shape, enc.dtype), f"chunk.{key}")
                 except ValueError as exc:
                     chunk.arrays[key] = zero_frame(enc)
-                    self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
+                    corrupt = True
                     origin = (
                         f"chunk {chunk.sequence} of worker {chunk.worker!r}"
                         if chunk.worker
@@ -509,6 +510,8 @@ class Session:
                     logger.warning("session %r: %s", self.name, message)
                     if chunk.worker:
                         self._late.setdefault(chunk.worker, []).append(message)
+            if corrupt:  # a chunk, however many of its frames
+                self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
             chunk.unverified = ()
 
     def _drop_full(self, timeline: WorkerTimeline) -> Applied:

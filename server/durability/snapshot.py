@@ -22,6 +22,7 @@ from recorder_client._wire import shown
 from recorder_client.capture_types import EpisodeOutcome
 
 from ..chunks import (
+    ALWAYS_DECODED,
     STATE,
     EncodedArray,
     Schema,
@@ -466,7 +467,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             wire = _count(c["wire_bytes"], "wire_bytes")
             # Frames are checked from their headers here; their content is proved when
             # they are read (a checkpoint may precede the background verifier).
-            later = tuple(k for k in arrays if k not in ("done", "reward"))
+            later = tuple(k for k in arrays if k not in ALWAYS_DECODED)
             tl.chunks.append(StoredChunk(t, length, arrays, wire, outcome, later))
             t += length
         if _count(entry["t_total"], "t_total") != t:

@@ -556,19 +556,7 @@ class MetricsTracker:
 
     def inc(self, tag: str, amount: float = 1.0, **labels: object) -> None:
         """Add ``amount`` (>= 0) to a counter."""
-        amount = float(amount)
-        if not amount >= 0:
-            raise ValueError(f"counter {tag!r}: amount must be >= 0, got {amount!r}")
-        lkey = _label_key(labels) if labels else ()
-        key: object = (tag, lkey) if labels else tag
-        with self._lock:
-            self._seq = seq = self._seq + 1
-            old = self._counters.get(key)
-            if old is None:
-                self._register(key, tag, lkey, _COUNTER)
-                self._counters[key] = (amount, seq)
-            else:
-                self._counters[key] = (old[0] + amount, seq)
+        self.inc_many({tag: amount}, **labels)
 
     def inc_many(self, amounts: Mapping[str, float], **labels: object) -> None:
         """``inc`` for several counters with the same labels, under one lock."""
