@@ -66,7 +66,8 @@ def encoded_array(
 ) -> EncodedArray:
     """An EncodedArray from a received header, checked before anything is allocated or
     decompressed: sizes in Python ints (no overflow), at most ``max_raw`` bytes even when a
-    dimension is empty, and the bytes exactly one zstd frame of that size (or the raw bytes)."""
+    dimension is empty, and the bytes exactly one zstd frame of the size its codec implies (or
+    the raw bytes)."""
     try:
         parsed, dims = _wire.check_header(dtype, shape, raw_size, what, max_raw)
     except ValueError as exc:
@@ -81,13 +82,15 @@ def encoded_array(
             f"{what}.shape: expected at most {max_raw} bytes counting each empty dimension as "
             f"one, got shape {list(dims)} of {parsed.str!r}"
         )
+    try:
+        content = _wire.frame_bytes(codec, parsed, raw_size, what)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
     if codec == _wire.CODEC_RAW:
         if len(data) != raw_size:
             raise invalid(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
-    elif codec == _wire.CODEC_ZSTD:
-        check_frame(data, raw_size, f"{what}.data")
     else:
-        raise invalid(f"{what}.codec: expected CODEC_ZSTD (2) or CODEC_RAW (1), got {codec}")
+        check_frame(data, content, f"{what}.data")
     return EncodedArray(parsed, dims, codec, data)
 
 

@@ -105,6 +105,10 @@ def test_a_refusal_reaches_the_client_with_its_status_and_kind(target):
 
 def test_wire_codec_values_match_the_proto():
     assert _wire.CODEC_RAW == pb.CODEC_RAW and _wire.CODEC_ZSTD == pb.CODEC_ZSTD
+    assert {pb.Codec.Value(name): code for code, name in _wire.CODEC_NAMES.items()} == {
+        code: code for code in _wire.CODEC_NAMES
+    }
+    assert set(pb.Codec.values()) == {0, *_wire.CODEC_NAMES}
 
 
 def test_the_offload_pool_bounds_the_calls_in_flight():

@@ -12,9 +12,21 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_UNSPECIFIED: _ClassVar[Codec]
     CODEC_RAW: _ClassVar[Codec]
     CODEC_ZSTD: _ClassVar[Codec]
+    CODEC_ZSTD_U8: _ClassVar[Codec]
+    CODEC_ZSTD_I8: _ClassVar[Codec]
+    CODEC_ZSTD_U16: _ClassVar[Codec]
+    CODEC_ZSTD_I16: _ClassVar[Codec]
+    CODEC_ZSTD_U32: _ClassVar[Codec]
+    CODEC_ZSTD_I32: _ClassVar[Codec]
 CODEC_UNSPECIFIED: Codec
 CODEC_RAW: Codec
 CODEC_ZSTD: Codec
+CODEC_ZSTD_U8: Codec
+CODEC_ZSTD_I8: Codec
+CODEC_ZSTD_U16: Codec
+CODEC_ZSTD_I16: Codec
+CODEC_ZSTD_U32: Codec
+CODEC_ZSTD_I32: Codec
 
 class ArrayData(_message.Message):
     __slots__ = ("dtype", "shape", "raw_size", "codec", "data")
