@@ -1494,13 +1494,14 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
     pool = make_pool(p.pool, length=p.length, num_envs=p.num_envs, seed=3, done_prob=p.done_prob)
     chunks = []
     for i, c in enumerate(pool):
+        # Encoded as the client encodes for this server (integer arrays packed).
         msg = pb.Chunk(sequence=i + 1)
-        msg.action.CopyFrom(array_to_proto(c.rollout.action))
-        msg.reward.CopyFrom(array_to_proto(c.rollout.reward))
-        msg.done.CopyFrom(array_to_proto(c.rollout.done))
+        msg.action.CopyFrom(array_to_proto(c.rollout.action, pack=True))
+        msg.reward.CopyFrom(array_to_proto(c.rollout.reward, pack=True))
+        msg.done.CopyFrom(array_to_proto(c.rollout.done, pack=True))
         for name in FIELDS:
             msg.states.append(
-                pb.NamedArray(name=name, array=array_to_proto(getattr(c.states, name)))
+                pb.NamedArray(name=name, array=array_to_proto(getattr(c.states, name), pack=True))
             )
         chunks.append(msg)
     capture = store_configuration()

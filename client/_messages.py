@@ -17,9 +17,11 @@ from .status import SessionStatus, WorkerStatus
 _WORKER_FIELDS = dataclasses.fields(WorkerStatus)
 
 
-def array_to_proto(arr: np.ndarray, level: int = _wire.DEFAULT_LEVEL) -> pb.ArrayData:
+def array_to_proto(
+    arr: np.ndarray, level: int = _wire.DEFAULT_LEVEL, pack: bool = False
+) -> pb.ArrayData:
     arr = np.ascontiguousarray(arr)
-    codec, data = _wire.encode(arr, level)
+    codec, data = _wire.encode(arr, level, pack)
     return pb.ArrayData(
         dtype=arr.dtype.str, shape=arr.shape, raw_size=arr.nbytes, codec=codec, data=data
     )

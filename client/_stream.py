@@ -121,23 +121,24 @@ def _to_host(value: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else np.asarray(value)
 
 
-def encode_chunk(item: PendingChunk, level: int) -> pb.RecordRequest:
+def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.RecordRequest:
+    """The chunk's request; ``pack``: integer arrays packed where the server takes that."""
     arrays = item.arrays or {}
     chunk = pb.Chunk(sequence=item.sequence)
-    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level))
-    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level))
+    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level, pack))
+    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level, pack))
     done = _to_host(arrays["done"])
     if done.dtype != np.bool_:
         done = done.astype(bool)
     if item.dones is None:
         item.dones = int(np.count_nonzero(done))
-    chunk.done.CopyFrom(array_to_proto(done, level))
+    chunk.done.CopyFrom(array_to_proto(done, level, pack))
     if "outcome" in arrays:
-        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level))
+        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level, pack))
     for name, value in arrays.items():
         if name.startswith("state:"):
             chunk.states.append(
-                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level))
+                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
             )
     return pb.RecordRequest(chunk=chunk)
 
@@ -161,6 +162,7 @@ class ChunkSender:
         max_bytes_in_flight: int,
         compression_level: int,
         reconnect_timeout: float,
+        packed: Callable[[], bool] = lambda: False,
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
         raise_data_loss: bool = True,
         max_episodes: int | None = None,
@@ -177,6 +179,8 @@ class ChunkSender:
         self._target = target
         self._max_in_flight = max_bytes_in_flight
         self._level = compression_level
+        # Whether the server last joined takes packed codecs (JoinReply.packed_codecs).
+        self._packed = packed
         self._reconnect_timeout = reconnect_timeout
         self._cond = threading.Condition()
         self._to_send: collections.deque[PendingChunk] = collections.deque()
@@ -401,7 +405,7 @@ class ChunkSender:
                 self._unacked[item.sequence] = item
             if item.request is None:
                 try:
-                    item.request = encode_chunk(item, self._level)
+                    item.request = encode_chunk(item, self._level, self._packed())
                 except Exception as exc:  # one bad array must not stall the chunks behind it
                     with self._cond:
                         self.stats.errors.append(

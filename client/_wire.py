@@ -140,13 +140,14 @@ def _packing(arr: np.ndarray) -> int | None:
     return None
 
 
-def encode(arr: np.ndarray, level: int = DEFAULT_LEVEL) -> tuple[int, bytes]:
+def encode(arr: np.ndarray, level: int = DEFAULT_LEVEL, pack: bool = False) -> tuple[int, bytes]:
     """(codec, data) of a numeric array's C-order bytes: raw when level < 0, else one zstd
-    frame, of the values packed into a narrower integer type when they all fit one."""
+    frame; with ``pack`` (the receiver takes packed codecs), of the values packed into a
+    narrower integer type when they all fit one."""
     arr = np.ascontiguousarray(arr)
     if level < 0:
         return CODEC_RAW, bytes(memoryview(arr).cast("B")) if arr.size else b""
-    codec = _packing(arr)
+    codec = _packing(arr) if pack else None
     if codec is None:
         codec, src = CODEC_ZSTD, arr
     else:

@@ -162,6 +162,7 @@ class RolloutRecorder:
                 max_bytes_in_flight=max_bytes_in_flight,
                 compression_level=compression_level,
                 reconnect_timeout=reconnect_timeout,
+                packed=lambda: self._joined.packed_codecs,
                 on_stored=self._stored,
                 raise_data_loss=on_data_loss == "raise",
                 max_episodes=self.max_episodes,

@@ -535,7 +535,7 @@ def mutate_array(draw, arr: pb.ArrayData) -> str:
         arr.raw_size = draw(st.sampled_from([0, 1, bigger, max(arr.raw_size - 1, 0), *UINT64]))
         return f"array raw_size {arr.raw_size}"
     if how == "codec":
-        arr.codec = draw(st.sampled_from([0, 3, 99, -1, 2**31 - 1, 3 - arr.codec]))
+        arr.codec = draw(st.sampled_from([0, 3, 4, 8, 9, 99, -1, 2**31 - 1, 3 - arr.codec]))
         return f"array codec {arr.codec}"
     if how == "same-size-dtype":
         itemsize = np.dtype(arr.dtype).itemsize if arr.dtype in ("<i4", "<f4", "|b1", "|i1") else 4

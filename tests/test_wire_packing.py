@@ -13,6 +13,7 @@ from recorder_client import RolloutRecorder, _wire
 from recorder_client._credentials import make_channel
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+from recorder_client._stream import PendingChunk, encode_chunk
 from recorder_server.chunks import encoded_array
 from recorder_server.errors import RequestError
 
@@ -47,7 +48,7 @@ def spread(dtype: str, lo: int, hi: int, shape=(64, 5, 3)) -> np.ndarray:
 @pytest.mark.parametrize(("dtype", "lo", "hi", "codec"), CASES)
 def test_each_range_travels_in_the_narrowest_type_and_comes_back_exactly(dtype, lo, hi, codec):
     arr = spread(dtype, lo, hi)
-    got_codec, data = _wire.encode(arr)
+    got_codec, data = _wire.encode(arr, pack=True)
     assert _wire.CODEC_NAMES[got_codec] == codec
     content = _wire.frame_bytes(got_codec, arr.dtype, arr.nbytes, "x")
     assert zstandard.frame_content_size(data) == content
@@ -64,9 +65,26 @@ def test_floats_bools_and_empty_arrays_are_not_packed():
         np.zeros((0, 4), dtype=np.int64),
         np.arange(3, dtype=np.float64),
     ):
-        codec, _ = _wire.encode(arr)
+        codec, _ = _wire.encode(arr, pack=True)
         assert codec == _wire.CODEC_ZSTD, arr.dtype
-    assert _wire.encode(np.arange(4, dtype=np.int32), level=-1)[0] == _wire.CODEC_RAW
+    assert _wire.encode(np.arange(4, dtype=np.int32), level=-1, pack=True)[0] == _wire.CODEC_RAW
+
+
+def test_a_chunk_is_packed_only_for_a_server_that_takes_packed_codecs():
+    """JoinReply.packed_codecs decides: a server that does not set it (an older one) gets
+    every integer array as plain CODEC_ZSTD."""
+    arrays = {
+        "action": np.arange(12, dtype=np.int32).reshape(3, 4),
+        "reward": np.zeros((3, 4), np.float32),
+        "done": np.zeros((3, 4), bool),
+        "state:pos": np.ones((3, 4, 2), np.int64),
+    }
+    for pack, expected in ((False, "CODEC_ZSTD"), (True, "CODEC_ZSTD_U8")):
+        request = encode_chunk(PendingChunk(sequence=1, arrays=dict(arrays), raw_bytes=0), 1, pack)
+        chunk = request.chunk
+        assert _wire.CODEC_NAMES[chunk.action.codec] == expected
+        assert _wire.CODEC_NAMES[chunk.states[0].array.codec] == expected
+        assert chunk.reward.codec == chunk.done.codec == _wire.CODEC_ZSTD
 
 
 def frame(arr: np.ndarray, codec: int) -> pb.ArrayData:
@@ -108,7 +126,7 @@ def test_a_packed_frame_declaring_the_unpacked_size_is_refused():
     )
 
 
-def test_a_session_records_every_integer_dtype_packed_and_finishes_exactly(target):
+def test_a_session_records_every_integer_dtype_packed_and_finishes_exactly(server):
     """Actions and states of several integer dtypes and ranges, through a real server, come
     back from finish() with their dtypes and every value; a worker whose packed codec its
     dtype cannot hold is refused by name and the session goes on."""
@@ -123,19 +141,29 @@ def test_a_session_records_every_integer_dtype_packed_and_finishes_exactly(targe
         "counts": rng.integers(0, 60000, (t, n, 4)).astype(np.uint32),
     }
     action = rng.integers(0, 12, (t, n)).astype(np.int64)
-    codecs = {k: _wire.CODEC_NAMES[_wire.encode(v)[0]] for k, v in states.items()}
+    codecs = {k: _wire.CODEC_NAMES[_wire.encode(v, pack=True)[0]] for k, v in states.items()}
     assert codecs == {
         "small": "CODEC_ZSTD_U8",
         "signed": "CODEC_ZSTD_I16",
         "wide": "CODEC_ZSTD",
         "counts": "CODEC_ZSTD_U16",
     }
+    target = server.address
     with RolloutRecorder(
         target=target, session="packed", record_states=True, state_fields=list(states)
     ) as rec:
         traj = {"action": action, "reward": rng.normal(size=(t, n)).astype(np.float32)}
         rec.record({**traj, "done": done}, states)
         rec.flush(timeout=30)
+        # What the server holds is what travelled: packed where the values fit.
+        (timeline,) = server.sessions.get("packed").workers.values()
+        held = {k: _wire.CODEC_NAMES[a.codec] for k, a in timeline.chunks[0].arrays.items()}
+        assert held == {
+            "action": "CODEC_ZSTD_U8",
+            "reward": "CODEC_ZSTD",
+            "done": "CODEC_ZSTD",
+            **{f"state:{k}": v for k, v in codecs.items()},
+        }
         result = rec.finish()
     # Episodes environment by environment, each in time order (env, first step, end)
     spans = [(0, 0, 8), (0, 8, 24), (1, 0, 16), (1, 16, 24), (2, 0, 24)]
@@ -150,7 +178,10 @@ def test_a_session_records_every_integer_dtype_packed_and_finishes_exactly(targe
     with make_channel(target) as channel:
         stub = pb_grpc.RecorderStub(channel)
         config = pb.SessionConfig()
-        stub.Join(pb.JoinRequest(session="packed-bad", config=config, worker_id="w"), timeout=10)
+        joined = stub.Join(
+            pb.JoinRequest(session="packed-bad", config=config, worker_id="w"), timeout=10
+        )
+        assert joined.packed_codecs
         good = np.zeros((t, n), np.int32)
         chunks = []
         for seq, action_codec in ((1, 4), (2, 3)):  # I8 of a uint32 action: refused

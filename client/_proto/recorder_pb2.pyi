@@ -75,14 +75,16 @@ class JoinRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_index", "last_sequence", "status")
+    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CODECS_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     last_sequence: int
     status: StatusReply
-    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
+    packed_codecs: bool
+    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ...) -> None: ...
 
 class RecordOpen(_message.Message):
     __slots__ = ("session", "worker_id")

@@ -107,6 +107,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             worker_index=session.workers[request.worker_id].index,
             last_sequence=held,
             status=convert.session_status(session),
+            packed_codecs=True,
         )
         return session, reply
 
