@@ -42,6 +42,8 @@ CODEC_NAMES: dict[int, str] = {
 DEFAULT_LEVEL = 1
 # Decoding a packed frame goes through a per-thread scratch buffer; bigger ones are not kept.
 _KEEP_SCRATCH = 8 << 20
+# Proving a frame decodes inflates into one too (the prover is one thread, readers a few).
+_KEEP_PROOF = 64 << 20
 
 # Trailing-metadata key whose value names the kind of a refusal (see recorder_server.errors).
 ERROR_KIND_KEY = "rr-error-kind"
@@ -175,13 +177,26 @@ def frame_bytes(codec: int, dtype: np.dtype, raw_size: int, what: str) -> int:
     return raw_size // dtype.itemsize * packed.itemsize
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    if nbytes > _KEEP_SCRATCH:
+def _scratch(nbytes: int, name: str = "scratch", keep: int = _KEEP_SCRATCH) -> np.ndarray:
+    if nbytes > keep:
         return np.empty(nbytes, dtype=np.uint8)
-    buf = getattr(_local, "scratch", None)
+    buf = getattr(_local, name, None)
     if buf is None or buf.size < nbytes:
-        buf = _local.scratch = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
+        setattr(_local, name, buf)
     return buf[:nbytes]
+
+
+def prove(codec: int, data: bytes, dtype: np.dtype, raw_size: int, what: str) -> None:
+    """ArrayDecodeError unless ``data`` decodes to ``raw_size`` bytes of ``dtype``: inflated
+    into scratch and dropped (a packed frame's values always fit ``dtype``, so the cast back
+    cannot fail and is skipped)."""
+    content = frame_bytes(codec, dtype, raw_size, what)
+    if codec == CODEC_RAW:
+        if len(data) != raw_size:
+            raise ArrayDecodeError(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
+        return
+    _inflate(data, memoryview(_scratch(content, "proof", _KEEP_PROOF)), content, what)
 
 
 def decode_into(codec: int, data: bytes, out: np.ndarray, what: str) -> None:

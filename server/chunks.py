@@ -48,6 +48,10 @@ class EncodedArray:
     def decode_into(self, out: np.ndarray, what: str) -> None:
         _wire.decode_into(self.codec, self.data, out, what)
 
+    def prove(self, what: str) -> None:
+        """ArrayDecodeError unless it decodes (the values are not kept)."""
+        _wire.prove(self.codec, self.data, self.dtype, self.nbytes, what)
+
 
 def zero_frame(enc: EncodedArray) -> EncodedArray:
     """An array like `enc` holding zeros: what stands for a frame found not to decode."""

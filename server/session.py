@@ -36,7 +36,6 @@ from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_ch
 from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
 from .errors import ErrorKind, RequestError, invalid
 from .ingest import ChunkEpisodes, EpisodeFeeder
-from .ingest.feeder import scratch
 from .ingest.verify import VERIFIER
 from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
@@ -494,7 +493,7 @@ class Session:
             for key in chunk.unverified:
                 enc = chunk.arrays[key]
                 try:
-                    enc.decode_into(scratch(enc.shape, enc.dtype), f"chunk.{key}")
+                    enc.prove(f"chunk.{key}")
                 except ValueError as exc:
                     chunk.arrays[key] = zero_frame(enc)
                     corrupt = True

@@ -35,8 +35,10 @@ def chunk_arrays(seq: int) -> dict[str, np.ndarray]:
 
 def broken_frame(arr: np.ndarray) -> pb.ArrayData:
     """A frame whose headers are right (one whole zstd frame declaring the array's size, one
-    compressed block) and whose block content does not decode."""
-    msg = array_to_proto(arr)
+    compressed block) and whose block content does not decode (packed, as the client sends
+    integer arrays)."""
+    msg = array_to_proto(arr, pack=True)
+    assert arr.dtype.kind not in "iu" or msg.codec in _wire.PACKED
     data = bytearray(msg.data)
     content = _wire.frame_bytes(msg.codec, arr.dtype, arr.nbytes, "test")
     assert zstandard.get_frame_parameters(bytes(data)).content_size == content
@@ -65,12 +67,12 @@ def make_chunks(broken: bool) -> list[pb.Chunk]:
         arrays = chunk_arrays(seq)
         msg = pb.Chunk(sequence=seq)
         for name in ("action", "reward", "done"):
-            getattr(msg, name).CopyFrom(array_to_proto(arrays[name]))
+            getattr(msg, name).CopyFrom(array_to_proto(arrays[name], pack=True))
         pos = arrays["state:pos"]
         if seq == 2:
-            data = broken_frame(pos) if broken else array_to_proto(np.zeros_like(pos))
+            data = broken_frame(pos) if broken else array_to_proto(np.zeros_like(pos), pack=True)
         else:
-            data = array_to_proto(pos)
+            data = array_to_proto(pos, pack=True)
         msg.states.append(pb.NamedArray(name="pos", array=data))
         out.append(msg)
     return out
