@@ -21,6 +21,21 @@ def test_chunk_cumsum_is_numpy_cumsum_over_time(dtype):
     np.testing.assert_array_equal(_bits(got), _bits(expected))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int32, np.bool_])
+def test_the_feeders_cumsum_without_a_store_is_numpy_cumsum_over_time(dtype):
+    from recorder_server.ingest.tails import cumsum
+
+    rng = np.random.default_rng(1)
+    rewards = (rng.standard_normal((64, 9)) * 100).astype(dtype)
+    if rewards.dtype.kind == "f":
+        rewards[0, :3] = -0.0
+        rewards[5, 4], rewards[7, 5] = np.inf, np.nan
+    expected = np.concatenate([np.zeros((1, 9)), np.cumsum(rewards, axis=0, dtype=np.float64)])
+    got = cumsum(rewards)
+    assert got.dtype == np.float64 and got.shape == (65, 9)
+    np.testing.assert_array_equal(_bits(got), _bits(expected))
+
+
 def test_segment_cumsum_is_numpy_cumsum_per_segment():
     rng = np.random.default_rng(1)
     lengths = np.array([0, 1, 7, 0, 30, 2], dtype=np.int64)
