@@ -193,8 +193,7 @@ def prove(codec: int, data: bytes, dtype: np.dtype, raw_size: int, what: str) ->
     cannot fail and is skipped)."""
     content = frame_bytes(codec, dtype, raw_size, what)
     if codec == CODEC_RAW:
-        if len(data) != raw_size:
-            raise ArrayDecodeError(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
+        _check_raw(data, raw_size, what)
         return
     _inflate(data, memoryview(_scratch(content, "proof", _KEEP_PROOF)), content, what)
 
@@ -212,11 +211,15 @@ def decode_into(codec: int, data: bytes, out: np.ndarray, what: str) -> None:
         return
     dest = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(bytearray())
     if codec == CODEC_RAW:
-        if len(data) != raw_size:
-            raise ArrayDecodeError(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
+        _check_raw(data, raw_size, what)
         dest[:] = data
         return
     _inflate(data, dest, raw_size, what)
+
+
+def _check_raw(data: bytes, raw_size: int, what: str) -> None:
+    if len(data) != raw_size:
+        raise ArrayDecodeError(f"{what}.data: expected {raw_size} raw bytes, got {len(data)}")
 
 
 def _inflate(data: bytes, dest: memoryview, size: int, what: str) -> None:
