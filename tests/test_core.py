@@ -121,6 +121,26 @@ def test_a_timeline_splits_chunks_at_done_flags_and_owns_the_open_starts():
     assert (env.tolist(), start.tolist(), end.tolist()) == ([0, 0, 1], [0, 2, 0], [2, 5, 7])
 
 
+@pytest.mark.parametrize("density", [0.0, 1 / 500, 1 / 40, 1 / 20, 0.5, 1.0])
+def test_a_timeline_lists_episodes_env_by_env_at_any_share_of_done_flags(density):
+    """Sparse and dense done flags (the split searches them two ways) give the same episodes,
+    env by env and in time order, as walking each env's flags."""
+    rng = np.random.default_rng(7)
+    tl = WorkerTimeline("w", 0)
+    num_envs, opened = 9, [0] * 9
+    for c in range(3):
+        dones = rng.random((64, num_envs)) < density
+        env, start, end = tl.add_chunk(dones, {}, 0)
+        want = []
+        for e in range(num_envs):
+            for t in np.flatnonzero(dones[:, e]).tolist():
+                want.append((e, opened[e], c * 64 + t + 1))
+                opened[e] = c * 64 + t + 1
+        assert list(zip(env.tolist(), start.tolist(), end.tolist(), strict=True)) == want
+        assert env.dtype == start.dtype == end.dtype == np.int64
+    assert tl.open_start.tolist() == opened
+
+
 def test_an_environment_that_never_finished_keeps_its_empty_tail():
     """The in-process rule: a tail is kept when the env never finished, even if empty."""
     tl = WorkerTimeline("w", 0)
