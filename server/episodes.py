@@ -100,18 +100,9 @@ class WorkerTimeline:
             self.finished_per_env = np.zeros(n, dtype=np.int64)
         assert self.open_start is not None and self.finished_per_env is not None
         t0 = self.t_total
-        # Sorted by env, then by time: the order finish() lists episodes in. Usually a flat
-        # search of the C-order flags, then a stable sort of the few hits by env: np.nonzero
-        # of the transposed flags takes 5-10x as long, unless over 1 step in 32 ends one.
-        flat = np.flatnonzero(dones)
-        if flat.size > dones.size >> 5:
-            env, t = np.nonzero(dones.T)
-            env, t = env.astype(np.int64), t.astype(np.int64)
-        else:
-            t, env = np.divmod(flat, n)
-            if flat.size > 1:
-                order = np.argsort(env, kind="stable")
-                env, t = env[order], t[order]
+        # Sorted by env, then by time: the order finish() lists episodes in. A flat search of
+        # the flags copied env-major: np.nonzero of the transposed view is 2-5x as slow.
+        env, t = np.divmod(np.flatnonzero(np.ascontiguousarray(dones.T)), length)
         end = t + (t0 + 1)
         start = np.empty_like(end)
         if end.size:

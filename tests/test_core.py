@@ -123,8 +123,8 @@ def test_a_timeline_splits_chunks_at_done_flags_and_owns_the_open_starts():
 
 @pytest.mark.parametrize("density", [0.0, 1 / 500, 1 / 40, 1 / 20, 0.5, 1.0])
 def test_a_timeline_lists_episodes_env_by_env_at_any_share_of_done_flags(density):
-    """Sparse and dense done flags (the split searches them two ways) give the same episodes,
-    env by env and in time order, as walking each env's flags."""
+    """Sparse and dense done flags give the same episodes, env by env and in time order, as
+    walking each env's flags."""
     rng = np.random.default_rng(7)
     tl = WorkerTimeline("w", 0)
     num_envs, opened = 9, [0] * 9
