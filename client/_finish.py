@@ -10,6 +10,7 @@ is used: a malformed stream raises RecorderError naming what was expected and wh
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -19,8 +20,10 @@ import numpy as np
 
 from . import _wire
 from ._proto import recorder_pb2 as pb
-from .errors import RecorderError
+from .errors import DataLossError, RecorderError
 from .trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
 
 # Steps scattered per fancy-indexed copy (at least one row).
 _SCATTER_STEPS = 1 << 20
@@ -146,6 +149,8 @@ class _Outputs:
             episode_start=np.asarray(h.starts, dtype=np.int64),
             episode_done=np.asarray(h.done, dtype=bool),
             worker_ids=list(h.worker_ids),
+            corrupt_chunks=list(h.corrupt_chunks),
+            num_corrupt_chunks=h.num_corrupt_chunks,
         )
 
 
@@ -336,3 +341,23 @@ def assemble(parts: Iterable[pb.FinishPart]) -> Trajectory:
     if outputs is None:
         raise RecorderError("Finish: the server sent no header")
     return outputs.trajectory(frames)
+
+
+def checked(result: Trajectory, raise_loss: bool) -> Trajectory:
+    """finish()'s result, after a WARNING when chunks it reads hold zeros for frames found
+    not to decode after their ack; with ``raise_loss`` a DataLossError carrying it instead."""
+    count = result.num_corrupt_chunks
+    if not count:
+        return result
+    listed = result.corrupt_chunks
+    more = f" (and {count - len(listed)} more)" if count > len(listed) else ""
+    error = DataLossError(
+        f"finish(): {count} acknowledged chunk(s) read as zeros where a frame did not decode: "
+        f"{listed[0] if listed else '?'}{more}; this error's .trajectory is the result, whose "
+        ".corrupt_chunks lists them",
+        trajectory=result,
+    )
+    logger.warning("%s", error)
+    if raise_loss:
+        raise error
+    return result

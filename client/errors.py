@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from ._wire import ERROR_KIND_KEY
@@ -46,13 +48,24 @@ class UnknownSessionError(RecorderError, LookupError):
 class DataLossError(RecorderError):
     """Chunks the server had acknowledged were lost (for example the last window of a
     batched-fsync log in a power cut). ``first`` to ``last`` are the worker's lost sequence
-    numbers; the worker goes on from ``last + 1``, and status() counts them."""
+    numbers; the worker goes on from ``last + 1``, and status() counts them. From finish():
+    chunks of the result hold zeros for frames found not to decode after their ack, and
+    ``trajectory`` is the result all the same."""
 
-    def __init__(self, message: str, *, worker_id: str = "", first: int = 0, last: int = 0):
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_id: str = "",
+        first: int = 0,
+        last: int = 0,
+        trajectory: Any = None,
+    ):
         super().__init__(message)
         self.worker_id = worker_id
         self.first = first
         self.last = last
+        self.trajectory = trajectory
 
 
 class NoDataError(RecorderError, ValueError):

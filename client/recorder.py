@@ -19,6 +19,7 @@ from . import _wire
 from ._connection import Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
+from ._finish import checked
 from ._launch import EmbeddedServer
 from ._messages import file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
@@ -126,6 +127,7 @@ class RolloutRecorder:
         self.session = session
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._block = on_backpressure == "block"
+        self._raise_loss = on_data_loss == "raise"
         self._lock = threading.Lock()
         self._sequence = 0
         # Fixed by the first chunk the server stored; until then chunks are checked only
@@ -164,7 +166,7 @@ class RolloutRecorder:
                 reconnect_timeout=reconnect_timeout,
                 packed=lambda: self._joined.packed_codecs,
                 on_stored=self._stored,
-                raise_data_loss=on_data_loss == "raise",
+                raise_data_loss=self._raise_loss,
                 max_episodes=self.max_episodes,
                 status_call=lambda done: self._connection.call_async(
                     "GetStatus", pb.StatusRequest(session=session), done
@@ -432,13 +434,16 @@ class RolloutRecorder:
         """The padded trajectory of every episode in the session (does not clear).
 
         Raises NoDataError (a ValueError) when nothing was recorded or no episode
-        was found, with the in-process recorder's messages.
+        was found, with the in-process recorder's messages. When some chunk it reads
+        was acknowledged and then found not to decode (those frames read as zeros), it
+        raises DataLossError with the result as ``.trajectory``, or with
+        ``on_data_loss="continue"`` logs a WARNING and returns it.
         """
         self.flush()
         request = pb.FinishRequest(
             session=self.session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
         )
-        return _assemble(self._connection.download("Finish", request))
+        return checked(_assemble(self._connection.download("Finish", request)), self._raise_loss)
 
     def runtime_state(self) -> bytes:
         """The session's whole state (configuration, workers, sequence numbers, chunks,

@@ -7,7 +7,7 @@ from typing import Any
 
 from ._connection import Connection
 from ._credentials import PemSource
-from ._finish import assemble
+from ._finish import assemble, checked
 from ._proto import recorder_pb2 as pb
 from .trajectory import Trajectory
 
@@ -75,10 +75,14 @@ def fetch_episodes(
     client_certificate: PemSource = None,
     client_key: PemSource = None,
     timeout: float = 300.0,
+    on_data_loss: str = "raise",
 ) -> Trajectory:
     """The session's episodes as ``finish()`` returns them, read without joining it as a
     worker. Raises UnknownSessionError for a name the server does not hold, NoDataError
-    when it holds no episode. ``timeout`` bounds the connection and the whole download."""
+    when it holds no episode, and DataLossError as finish() does (``on_data_loss``).
+    ``timeout`` bounds the connection and the whole download."""
+    if on_data_loss not in ("raise", "continue"):
+        raise ValueError(f"on_data_loss: expected 'raise' or 'continue', got {on_data_loss!r}")
     connection = _connection(
         target, token, root_certificates, client_certificate, client_key, timeout
     )
@@ -86,7 +90,7 @@ def fetch_episodes(
         request = pb.FinishRequest(
             session=session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
         )
-        return assemble(connection.download("Finish", request))
+        return checked(assemble(connection.download("Finish", request)), on_data_loss == "raise")
     finally:
         connection.close()
 

@@ -20,7 +20,9 @@ class Trajectory:
     `map` -> `block_map`, any other name unchanged). Per episode: `lengths`
     (real steps), `episode_worker`, `episode_env`, `episode_start` (step on that
     worker's time axis) and `episode_done` (a done flag ended it). Steps at or
-    past `lengths[b]` are zero padding, not no-op actions.
+    past `lengths[b]` are zero padding, not no-op actions. `corrupt_chunks` names
+    the acknowledged chunks whose frames were found not to decode and read as
+    zeros here (at most 64 listed; `num_corrupt_chunks` counts them all).
     """
 
     def __init__(
@@ -35,6 +37,8 @@ class Trajectory:
         episode_start: np.ndarray,
         episode_done: np.ndarray,
         worker_ids: list[str] | tuple[str, ...] = (),
+        corrupt_chunks: list[str] | tuple[str, ...] = (),
+        num_corrupt_chunks: int | None = None,
     ) -> None:
         self.actions = actions
         self.rewards = rewards
@@ -48,6 +52,8 @@ class Trajectory:
         self.episode_start = episode_start
         self.episode_done = episode_done
         self.worker_ids = tuple(worker_ids)
+        self.corrupt_chunks = tuple(corrupt_chunks)
+        self.num_corrupt_chunks = max(len(self.corrupt_chunks), num_corrupt_chunks or 0)
 
     def __getattr__(self, name: str) -> np.ndarray:
         states = self.__dict__.get("states", {})

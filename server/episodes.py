@@ -33,6 +33,9 @@ class StoredChunk:
     """Keys of `arrays` whose frames are not yet proved to decode (`Session.verify`)."""
     worker: str = ""  # the worker and sequence that sent it, named when a frame does not
     sequence: int = 0  # decode
+    corrupt: tuple[str, ...] = ()
+    """Why frames of it read as zeros: a message per frame found not to decode after the ack
+    (finish() hands them to its caller)."""
 
     def spans(self, start: int, end: int) -> bool:
         """Whether any of steps start..end-1 lie in this chunk."""

@@ -497,15 +497,17 @@ class Session:
                 except ValueError as exc:
                     chunk.arrays[key] = zero_frame(enc)
                     corrupt = True
-                    origin = (
-                        f"chunk {chunk.sequence} of worker {chunk.worker!r}"
-                        if chunk.worker
-                        else f"the chunk at step {chunk.t0}"
-                    )
+                    if chunk.worker and chunk.sequence:
+                        origin = f"chunk {chunk.sequence} of worker {chunk.worker!r}"
+                    elif chunk.worker:
+                        origin = f"the chunk at step {chunk.t0} of worker {chunk.worker!r}"
+                    else:
+                        origin = f"the chunk at step {chunk.t0}"
                     message = (
                         f"{origin} was acknowledged, but its {key} frame does not decode "
                         f"({exc}); it reads as zeros"
                     )
+                    chunk.corrupt = (*chunk.corrupt, message)
                     logger.warning("session %r: %s", self.name, message)
                     if chunk.worker:
                         self._late.setdefault(chunk.worker, []).append(message)

@@ -466,6 +466,22 @@ def test_edited_runtime_states_are_refused_by_field(server):
             set_path(["workers", 0, "chunks", 0, "arrays", "done", "blob"], -1),
             "chunks[0].done.blob",
         ),
+        "a chunk sequence of -1": (
+            set_path(["workers", 0, "chunks", 0, "sequence"], -1),
+            "state.sequence",
+        ),
+        "a message about zeros that is not text": (
+            set_path(["workers", 0, "chunks", 0, "corrupt"], [7]),
+            "chunks[0].corrupt",
+        ),
+        "more messages about zeros than frames": (
+            set_path(["workers", 0, "chunks", 0, "corrupt"], ["x"] * 99),
+            "chunks[0].corrupt",
+        ),
+        "a message about zeros of 1 MB": (
+            set_path(["workers", 0, "chunks", 0, "corrupt"], ["x" * 10**6]),
+            "chunks[0].corrupt",
+        ),
     }
     for what, (fn, field) in cases.items():
         edited, more = edit(fn)

@@ -1,9 +1,12 @@
 """Action and state frames are acknowledged on their headers and proved to decode later:
 a frame that does not decode is found without any read, reads as zeros in finish() (both
-ways of sending it) and after a kill -9 and a restart, and is counted and logged."""
+ways of sending it) and after a kill -9 or a checkpoint and a restart, is counted and
+logged, and finish() tells its caller (DataLossError, or a WARNING)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +14,13 @@ import pytest
 import zstandard
 from conftest import RestartableServer, wait_for
 
-from recorder_client import InvalidChunkError, RolloutRecorder, _wire
+from recorder_client import DataLossError, InvalidChunkError, RolloutRecorder, _wire
 from recorder_client._credentials import make_channel
 from recorder_client._finish import assemble
 from recorder_client._messages import array_to_proto
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+from recorder_client.sessions import fetch_episodes
 
 T, N = 16, 3
 
@@ -80,11 +84,33 @@ def make_chunks(broken: bool) -> list[pb.Chunk]:
 
 def finish_both_ways(target: str, session: str):
     with RolloutRecorder(
-        target=target, session=session, record_states=True, state_fields=["pos"]
+        target=target,
+        session=session,
+        record_states=True,
+        state_fields=["pos"],
+        on_data_loss="continue",
     ) as rec:
         new = rec.finish()
         request = pb.FinishRequest(session=session, pad_incomplete=True)  # gathered parts
         old = assemble(rec._connection.download("Finish", request))
+    return new, old
+
+
+def finish_raises(target: str, session: str, told: str):
+    """finish() and fetch_episodes() raise DataLossError naming the chunk whose frame
+    reads as zeros, with the result all the same; both ways of sending it say so."""
+    with RolloutRecorder(
+        target=target, session=session, record_states=True, state_fields=["pos"]
+    ) as rec:
+        with pytest.raises(DataLossError, match=told) as raised:
+            rec.finish()
+    with pytest.raises(DataLossError, match=told) as fetched:
+        fetch_episodes(target, session)
+    new, old = finish_both_ways(target, session)
+    for result in (raised.value.trajectory, fetched.value.trajectory, new, old):
+        assert result.num_corrupt_chunks == 1
+        assert len(result.corrupt_chunks) == 1 and told in result.corrupt_chunks[0]
+        same(result, new)
     return new, old
 
 
@@ -93,6 +119,16 @@ def same(a, b) -> None:
     for name in ("actions", "rewards", "lengths"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     np.testing.assert_array_equal(a.states["pos"], b.states["pos"])
+
+
+def export(target: str, session: str, to: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "recorder_server", "export", "--target", target]
+        + ["--session", session, "--to", str(to), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def corrupt_count(stub, session: str) -> float:
@@ -138,8 +174,11 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
                         rec.flush()
                 rec.record(rollout, {"pos": arrays["state:pos"]})
                 rec.flush()
-        new, old = finish_both_ways(server.address, "v")
-        ref, _ = finish_both_ways(server.address, "ref")
+        told = "chunk 2 of worker 'bad' was acknowledged, but its state:pos frame"
+        new, old = finish_raises(server.address, "v", told)
+        ref, ref_old = finish_both_ways(server.address, "ref")
+        assert ref.num_corrupt_chunks == ref_old.num_corrupt_chunks == 0
+        assert ref.corrupt_chunks == ()
         same(new, ref)
         same(old, ref)
         sent = chunk_arrays(1)["state:pos"]
@@ -149,12 +188,25 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
         # reader this time if it comes first.
         server.kill()
         server.start()
-        new, old = finish_both_ways(server.address, "v")
+        new, old = finish_raises(server.address, "v", told)
         same(new, ref)
-        same(old, ref)
         with make_channel(server.address) as channel:
             stub = pb_grpc.RecorderStub(channel)
             assert wait_for(lambda: corrupt_count(stub, "v") == 1, timeout=20)
+        # A checkpoint holds the zeros, and still says why.
+        assert server.stop() == 0
+        server.start()
+        new, _ = finish_raises(server.address, "v", told)
+        same(new, ref)
+        assert finish_both_ways(server.address, "ref")[0].num_corrupt_chunks == 0
+        # So does the exporter: it stops with one line, or exports with a warning.
+        stopped = export(server.address, "v", tmp_path / "stopped")
+        assert stopped.returncode == 2 and told in stopped.stderr, stopped.stderr
+        assert "Traceback" not in stopped.stderr
+        assert not (tmp_path / "stopped").exists()
+        went_on = export(server.address, "v", tmp_path / "went-on", "--on-data-loss", "continue")
+        assert went_on.returncode == 0 and told in went_on.stderr, went_on.stderr
+        assert f"exported {ref.num_episodes} episodes" in went_on.stdout
     finally:
         server.stop()
 
@@ -235,7 +287,10 @@ def test_a_reader_proves_what_it_reads_first(target: str, reader: str, monkeypat
                 inventory = read.states["player_inventory"]
                 positions = read.states["player_positions"]
             else:
-                out = viewer.finish()
+                with pytest.raises(DataLossError, match="player_inventory frame does not") as e:
+                    viewer.finish()
+                out = e.value.trajectory
+                assert out.num_corrupt_chunks == len(chunks) == len(out.corrupt_chunks)
                 inventory = out.states[_wire.trajectory_name("player_inventory")]
                 positions = out.states[_wire.trajectory_name("player_positions")]
         assert positions.any() and not inventory.any()

@@ -177,7 +177,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FinishHeader(_message.Message):
-    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids")
+    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids", "corrupt_chunks", "num_corrupt_chunks")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class FinishHeader(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     max_length: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -196,7 +198,9 @@ class FinishHeader(_message.Message):
     starts: _containers.RepeatedScalarFieldContainer[int]
     done: _containers.RepeatedScalarFieldContainer[bool]
     worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    corrupt_chunks: _containers.RepeatedScalarFieldContainer[str]
+    num_corrupt_chunks: int
+    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., corrupt_chunks: _Optional[_Iterable[str]] = ..., num_corrupt_chunks: _Optional[int] = ...) -> None: ...
 
 class ArrayPart(_message.Message):
     __slots__ = ("field", "row_start", "array", "row_count")

@@ -96,6 +96,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.session,
             pad_incomplete=False,
             timeout=args.timeout,
+            on_data_loss=args.on_data_loss,
             **credentials.client_kwargs(),
         )
         progress = _ProgressLine(args.session, trajectory.num_episodes)
@@ -191,6 +192,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=300.0,
         help="seconds to connect and download the episodes; default %(default)s",
+    )
+    parser.add_argument(
+        "--on-data-loss",
+        choices=("raise", "continue"),
+        default="raise",
+        help="when some acknowledged chunk was found not to decode (its frames read as "
+        "zeros): raise stops with an error naming it, continue exports with a warning; "
+        "default %(default)s",
     )
     add_flags(parser)
     parser.set_defaults(func=cmd_export)

@@ -40,6 +40,8 @@ FORMAT = "recorder.session_state.v2"
 # Session counters a state carries, each an int in [0, 2**63).
 COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
 _NUM_OUTCOMES = len(EpisodeOutcome)
+# Longest saved message about a frame that reads as zeros.
+_MAX_MESSAGE = 4096
 
 
 class SnapshotError(ValueError):
@@ -112,6 +114,10 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
                 for key, a in c.arrays.items()
             }
             saved = {"t0": c.t0, "length": c.length, "wire_bytes": c.wire_bytes, "arrays": arrays}
+            if c.sequence:
+                saved["sequence"] = c.sequence
+            if c.corrupt:  # its frames are saved as the zeros they read as
+                saved["corrupt"] = list(c.corrupt)
             if c.outcome is not None:
                 saved["outcome"] = {
                     "dtype": c.outcome.dtype.str,
@@ -244,6 +250,19 @@ def _count(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
         raise SnapshotError(f"state.{what}: expected an int in [0, 2**63), got {shown(value)}")
     return value
+
+
+def _corrupt(value: Any, what: str, frames: int) -> tuple[str, ...]:
+    """A saved chunk's messages about frames that read as zeros: at most one per frame."""
+    messages = _list(value, what)
+    if len(messages) > frames or not all(
+        isinstance(m, str) and len(m) <= _MAX_MESSAGE for m in messages
+    ):
+        raise SnapshotError(
+            f"{what}: expected at most {frames} messages (one per frame) of at most "
+            f"{_MAX_MESSAGE} characters, got {shown(messages)}"
+        )
+    return tuple(messages)
 
 
 def _list(value: Any, what: str) -> list:
@@ -468,7 +487,11 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             # Frames are checked from their headers here; their content is proved when
             # they are read (a checkpoint may precede the background verifier).
             later = tuple(k for k in arrays if k not in ALWAYS_DECODED)
-            tl.chunks.append(StoredChunk(t, length, arrays, wire, outcome, later))
+            sequence = _count(c.get("sequence", 0), "sequence")
+            corrupt = _corrupt(c.get("corrupt", []), f"{where}.corrupt", len(arrays))
+            tl.chunks.append(
+                StoredChunk(t, length, arrays, wire, outcome, later, worker_id, sequence, corrupt)
+            )
             t += length
         if _count(entry["t_total"], "t_total") != t:
             raise SnapshotError(

@@ -206,8 +206,16 @@ def archive_to_proto(table: dict[str, np.ndarray]) -> pb.ArchiveReply:
     )
 
 
-def finish_header(plan: Assembly, worker_ids: list[str]) -> pb.FinishPart:
+# Chunks whose frames read as zeros that a Finish header names (it counts them all).
+MAX_CORRUPT_LISTED = 64
+
+
+def finish_header(plan: Assembly, worker_ids: list[str], corrupt: list[str]) -> pb.FinishPart:
+    """The result's header; ``corrupt``: a message per chunk it reads that holds zeros for
+    frames found not to decode after the ack."""
     header = pb.FinishHeader(
+        corrupt_chunks=corrupt[:MAX_CORRUPT_LISTED],
+        num_corrupt_chunks=len(corrupt),
         num_episodes=plan.num_episodes,
         max_length=plan.max_length,
         lengths=plan.lengths.tolist(),

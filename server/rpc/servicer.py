@@ -177,8 +177,12 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         with session.lock:  # the ids as the plan numbers them
             plan = session.assemble(request.pad_incomplete)
             worker_ids = list(session.workers)
-        session.verify(c for part in plan.per_worker for c in part.needed_chunks())
-        yield convert.finish_header(plan, worker_ids)
+        needed = [c for part in plan.per_worker for c in part.needed_chunks()]
+        session.verify(needed)
+        # Proved (here, or by the background thread under the lock this waited for): the
+        # caller is told which of the chunks its result reads hold zeros for frames.
+        corrupt = ["; ".join(c.corrupt) for c in needed if c.corrupt]
+        yield convert.finish_header(plan, worker_ids, corrupt)
         # The client that asks gathers the result from the stored chunks itself: no decode,
         # gather and re-compress here (most of the server's CPU for a finish()).
         frames = plan.chunk_frames() if request.chunk_frames else None
