@@ -106,17 +106,25 @@ class Trajectory:
         for name in _META:
             arrays[name] = getattr(self, name)
         arrays["worker_ids"] = np.asarray(self.worker_ids, dtype=np.str_)
+        if self.num_corrupt_chunks:
+            arrays["corrupt_chunks"] = np.asarray(self.corrupt_chunks, dtype=np.str_)
+            arrays["num_corrupt_chunks"] = np.int64(self.num_corrupt_chunks)
         np.savez_compressed(path, **arrays)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Trajectory:
         with np.load(path, allow_pickle=False) as data:
             states = {k[len("state__") :]: data[k] for k in data.files if k.startswith("state__")}
+            corrupt = data["corrupt_chunks"] if "corrupt_chunks" in data.files else ()
             return cls(
                 data["actions"],
                 data["rewards"],
                 states,
                 worker_ids=[str(w) for w in data["worker_ids"]],
+                corrupt_chunks=[str(m) for m in corrupt],
+                num_corrupt_chunks=(
+                    int(data["num_corrupt_chunks"]) if "num_corrupt_chunks" in data.files else 0
+                ),
                 **{name: data[name] for name in _META},
             )
 

@@ -14,7 +14,13 @@ import pytest
 import zstandard
 from conftest import RestartableServer, wait_for
 
-from recorder_client import DataLossError, InvalidChunkError, RolloutRecorder, _wire
+from recorder_client import (
+    DataLossError,
+    InvalidChunkError,
+    RolloutRecorder,
+    Trajectory,
+    _wire,
+)
 from recorder_client._credentials import make_channel
 from recorder_client._finish import assemble
 from recorder_client._messages import array_to_proto
@@ -114,6 +120,15 @@ def finish_raises(target: str, session: str, told: str):
     return new, old
 
 
+def saved_and_loaded(result: Trajectory, path: Path) -> Trajectory:
+    result.save(path)
+    loaded = Trajectory.load(path)
+    same(loaded, result)
+    assert loaded.corrupt_chunks == result.corrupt_chunks
+    assert loaded.num_corrupt_chunks == result.num_corrupt_chunks
+    return loaded
+
+
 def same(a, b) -> None:
     assert a.num_episodes == b.num_episodes
     for name in ("actions", "rewards", "lengths"):
@@ -179,6 +194,8 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
         ref, ref_old = finish_both_ways(server.address, "ref")
         assert ref.num_corrupt_chunks == ref_old.num_corrupt_chunks == 0
         assert ref.corrupt_chunks == ()
+        assert saved_and_loaded(new, tmp_path / "v.npz").num_corrupt_chunks == 1
+        assert saved_and_loaded(ref, tmp_path / "ref.npz").corrupt_chunks == ()
         same(new, ref)
         same(old, ref)
         sent = chunk_arrays(1)["state:pos"]
