@@ -134,6 +134,17 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def export(target: str, session: str, to, *flags: str) -> subprocess.CompletedProcess:
+    """`rollout-recorder export` of a session to ``to``, as a command."""
+    return subprocess.run(
+        [sys.executable, "-m", "recorder_server", "export", "--target", target]
+        + ["--session", session, "--to", str(to), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     import socket

@@ -3,11 +3,9 @@ finish()) and as a Minari dataset (loaded back step for step), through the real 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from conftest import export
 from test_remote_basic import make_chunk
 
 from recorder_client import RolloutRecorder, Trajectory, fetch_episodes
@@ -39,16 +37,6 @@ def record(target: str, session: str, workers: int, *, P: int | None, seed: int)
     finally:
         for rec in recorders:
             rec.close()
-
-
-def export(target: str, session: str, to, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recorder_server", "export", "--target", target]
-        + ["--session", session, "--to", str(to), *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def assert_identical(a: Trajectory, b: Trajectory) -> None:

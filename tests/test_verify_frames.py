@@ -5,14 +5,12 @@ logged, and finish() tells its caller (DataLossError, or a WARNING)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import zstandard
-from conftest import RestartableServer, wait_for
+from conftest import RestartableServer, export, wait_for
 
 from recorder_client import (
     DataLossError,
@@ -134,16 +132,6 @@ def same(a, b) -> None:
     for name in ("actions", "rewards", "lengths"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     np.testing.assert_array_equal(a.states["pos"], b.states["pos"])
-
-
-def export(target: str, session: str, to: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recorder_server", "export", "--target", target]
-        + ["--session", session, "--to", str(to), *flags],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def corrupt_count(stub, session: str) -> float:
