@@ -395,10 +395,10 @@ class Session:
                 env, start, end = timeline.add_chunk(
                     decoded.dones, stored, chunk.wire_bytes, chunk.arrays.get("outcome")
                 )
+                kept = timeline.chunks[-1]
+                kept.worker, kept.sequence = worker_id, seq  # named if a frame fails its proof
                 if decoded.unverified:
-                    kept = timeline.chunks[-1]
                     kept.unverified = decoded.unverified
-                    kept.worker, kept.sequence = worker_id, seq
                     self._unverified.append(kept)
                 if self.schema is None:
                     self.schema = decoded.schema
