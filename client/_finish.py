@@ -343,6 +343,13 @@ def assemble(parts: Iterable[pb.FinishPart]) -> Trajectory:
     return outputs.trajectory(frames)
 
 
+def raises_on_loss(on_data_loss: str) -> bool:
+    """Whether data loss raises DataLossError (``"raise"``) or is logged (``"continue"``)."""
+    if on_data_loss not in ("raise", "continue"):
+        raise ValueError(f"on_data_loss: expected 'raise' or 'continue', got {on_data_loss!r}")
+    return on_data_loss == "raise"
+
+
 def checked(result: Trajectory, raise_loss: bool) -> Trajectory:
     """finish()'s result, after a WARNING when chunks it reads hold zeros for frames found
     not to decode after their ack; with ``raise_loss`` a DataLossError carrying it instead."""

@@ -19,7 +19,7 @@ from . import _wire
 from ._connection import Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
-from ._finish import checked
+from ._finish import checked, raises_on_loss
 from ._launch import EmbeddedServer
 from ._messages import file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
@@ -108,8 +108,7 @@ class RolloutRecorder:
             )
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
-        if on_data_loss not in ("raise", "continue"):
-            raise ValueError(f"on_data_loss: expected 'raise' or 'continue', got {on_data_loss!r}")
+        raise_loss = raises_on_loss(on_data_loss)
         try:
             _wire.check_session_name(session)
             if worker_id is not None:
@@ -127,7 +126,7 @@ class RolloutRecorder:
         self.session = session
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._block = on_backpressure == "block"
-        self._raise_loss = on_data_loss == "raise"
+        self._raise_loss = raise_loss
         self._lock = threading.Lock()
         self._sequence = 0
         # Fixed by the first chunk the server stored; until then chunks are checked only

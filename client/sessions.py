@@ -7,7 +7,7 @@ from typing import Any
 
 from ._connection import Connection
 from ._credentials import PemSource
-from ._finish import assemble, checked
+from ._finish import assemble, checked, raises_on_loss
 from ._proto import recorder_pb2 as pb
 from .trajectory import Trajectory
 
@@ -81,8 +81,7 @@ def fetch_episodes(
     worker. Raises UnknownSessionError for a name the server does not hold, NoDataError
     when it holds no episode, and DataLossError as finish() does (``on_data_loss``).
     ``timeout`` bounds the connection and the whole download."""
-    if on_data_loss not in ("raise", "continue"):
-        raise ValueError(f"on_data_loss: expected 'raise' or 'continue', got {on_data_loss!r}")
+    raise_loss = raises_on_loss(on_data_loss)
     connection = _connection(
         target, token, root_certificates, client_certificate, client_key, timeout
     )
@@ -90,7 +89,7 @@ def fetch_episodes(
         request = pb.FinishRequest(
             session=session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
         )
-        return checked(assemble(connection.download("Finish", request)), on_data_loss == "raise")
+        return checked(assemble(connection.download("Finish", request)), raise_loss)
     finally:
         connection.close()
 

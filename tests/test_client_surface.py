@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import recorder_client
 
 EXPECTED = {
@@ -65,6 +67,14 @@ def test_errors_are_the_python_exceptions_users_catch():
     assert issubclass(recorder_client.InvalidQueryError, ValueError)
     assert not issubclass(recorder_client.InvalidQueryError, recorder_client.InvalidChunkError)
     assert issubclass(recorder_client.StoreNotConfiguredError, recorder_client.RecorderError)
+
+
+def test_an_unknown_data_loss_policy_is_refused_before_connecting():
+    expected = "on_data_loss: expected 'raise' or 'continue', got 'ignore'"
+    with pytest.raises(ValueError, match=expected):
+        recorder_client.RolloutRecorder(target="127.0.0.1:1", session="s", on_data_loss="ignore")
+    with pytest.raises(ValueError, match=expected):
+        recorder_client.fetch_episodes("127.0.0.1:1", "s", on_data_loss="ignore")
 
 
 _MODULES = "import sys, json; {imports}; print(json.dumps(sorted(sys.modules)))"

@@ -195,6 +195,7 @@ def test_a_frame_that_does_not_decode_reads_as_zeros(tmp_path: Path) -> None:
         server.start()
         new, old = finish_raises(server.address, "v", told)
         same(new, ref)
+        same(old, ref)
         with make_channel(server.address) as channel:
             stub = pb_grpc.RecorderStub(channel)
             assert wait_for(lambda: corrupt_count(stub, "v") == 1, timeout=20)
