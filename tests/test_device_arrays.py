@@ -93,3 +93,33 @@ def test_jax_cpu_arrays_from_jit(target):
     host = [make_chunk(seed) for seed in range(3)]
     device = [rollout(chunk) for chunk in host]
     assert_same(record_all(target, "jax", device), record_all(target, "numpy", host))
+
+
+@pytest.mark.parametrize("platform, copies", [("gpu", 1), ("cpu", 0)])
+def test_shared_sharding_and_varying_lengths(target, platform, copies):
+    """A loop's arrays share their sharding, whose platform is looked up once: each GPU array
+    still has its copy started, no CPU one does. Chunks of one layout but different T are
+    sized without reading the arrays, and the bytes counted are theirs."""
+    sharding = FakeSharding(platform)
+    host = [make_chunk(seed, T=T) for seed, T in enumerate((8, 3, 8, 11, 1))]
+    device = []
+    for chunk in host:
+        arrays = tuple({k: FakeDeviceArray(v, platform) for k, v in d.items()} for d in chunk)
+        for d in arrays:
+            for array in d.values():
+                array.sharding = sharding
+        device.append(arrays)
+    with RolloutRecorder(
+        record_states=True, state_fields=list(FIELDS), target=target, session=f"len-{platform}"
+    ) as rec:
+        for traj, states in device:
+            assert rec.record(traj, states)
+        rec.flush()
+        assert rec.stats.raw_bytes == sum(
+            a.nbytes for traj, states in host for a in (*traj.values(), *states.values())
+        )
+        ours = rec.finish()
+    for traj, states in device:
+        for array in (*traj.values(), *states.values()):
+            assert array.copies_started == copies
+    assert_same(ours, record_all(target, f"len-host-{platform}", host))
