@@ -323,13 +323,10 @@ class RolloutRecorder:
             self._check_outcome(arrays["outcome"])
         if signature == self._signature and len(lengths) == 1:
             return lengths.pop() * self._step_bytes, self._layout
-        raw, layout = self._validate_fully(arrays)
         # Bytes per step of this layout: the next chunks of it are sized without a read.
-        step_bytes = 0
-        for _, shape, dtype in shapes:
-            step_bytes += int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+        step_bytes, layout = self._validate_fully(arrays)
         self._signature, self._layout, self._step_bytes = signature, layout, step_bytes
-        return raw, layout
+        return lengths.pop() * step_bytes, layout  # one T once checked
 
     @staticmethod
     def _check_outcome(codes: Any) -> None:
@@ -357,6 +354,8 @@ class RolloutRecorder:
             self._signature = None  # the next chunk is checked against it in full
 
     def _validate_fully(self, arrays: dict[str, Any]) -> tuple[int, Any]:
+        """Every check of a chunk; returns its bytes per step (every array has the same T once
+        checked) and its layout."""
         schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
         a_shape = schema["action"][0]
         if len(a_shape) not in (2, 3):
@@ -387,8 +386,8 @@ class RolloutRecorder:
         previous = self._schema
         if previous is not None:
             self._check_against(previous, fixed)
-        raw = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in schema.values())
-        return raw, fixed
+        step = sum(int(np.prod(s[1:], dtype=np.int64)) * d.itemsize for s, d in schema.values())
+        return step, fixed
 
     @staticmethod
     def _check_against(previous: dict, schema: dict) -> None:
