@@ -31,6 +31,7 @@ _EXPORTS = {
     "RemoteCapture": "capture",
     "ResourceExhaustedError": "errors",
     "RolloutRecorder": "recorder",
+    "SessionDroppedError": "errors",
     "SessionMismatchError": "errors",
     "SessionStatus": "status",
     "StoreNotConfiguredError": "errors",
@@ -41,6 +42,7 @@ _EXPORTS = {
     "TrajectoryTrainingConfiguration": "capture_types",
     "UnknownSessionError": "errors",
     "UtilityConfig": "capture_types",
+    "WorkerIdInUseError": "errors",
     "WorkerStatus": "status",
     "drop_session": "sessions",
     "fetch_episodes": "sessions",
@@ -67,6 +69,7 @@ __all__ = [
     "RemoteCapture",
     "ResourceExhaustedError",
     "RolloutRecorder",
+    "SessionDroppedError",
     "SessionMismatchError",
     "SessionStatus",
     "StoreNotConfiguredError",
@@ -77,6 +80,7 @@ __all__ = [
     "TrajectoryTrainingConfiguration",
     "UnknownSessionError",
     "UtilityConfig",
+    "WorkerIdInUseError",
     "WorkerStatus",
     "__version__",
     "drop_session",
@@ -125,9 +129,11 @@ if TYPE_CHECKING:
         RecorderError,
         RecorderUnavailableError,
         ResourceExhaustedError,
+        SessionDroppedError,
         SessionMismatchError,
         StoreNotConfiguredError,
         UnknownSessionError,
+        WorkerIdInUseError,
     )
     from .recorder import RolloutRecorder
     from .sessions import drop_session, fetch_episodes, list_sessions

@@ -45,6 +45,16 @@ class UnknownSessionError(RecorderError, LookupError):
     """No session of that name on the server (never joined, or dropped)."""
 
 
+class WorkerIdInUseError(RecorderError):
+    """Another live recorder holds this worker id in the session (two trainers given one
+    ``worker_id``). Give each recorder its own ``worker_id``, or close the other first."""
+
+
+class SessionDroppedError(RecorderError, LookupError):
+    """The session was dropped while this recorder used it. A dropped session is not
+    re-created by a reconnect: make a new recorder to record it again."""
+
+
 class DataLossError(RecorderError):
     """Chunks the server had acknowledged were lost (for example the last window of a
     batched-fsync log in a power cut). ``first`` to ``last`` are the worker's lost sequence
@@ -88,6 +98,8 @@ _BY_KIND: dict[str, type[RecorderError]] = {
     "unknown_session": UnknownSessionError,
     "invalid_query": InvalidQueryError,
     "no_store": StoreNotConfiguredError,
+    "worker_in_use": WorkerIdInUseError,
+    "session_dropped": SessionDroppedError,
 }
 
 

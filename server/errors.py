@@ -43,6 +43,10 @@ class ErrorKind(enum.Enum):
     """The server is stopping."""
     UNAUTHENTICATED = "unauthenticated"
     """The call did not carry the server's token."""
+    WORKER_IN_USE = "worker_in_use"
+    """Another live stream holds this (session, worker_id)."""
+    SESSION_DROPPED = "session_dropped"
+    """The session was dropped; only a new recorder's explicit join creates it again."""
 
 
 class RequestError(Exception):

@@ -41,6 +41,8 @@ EXPECTED = {
     "InvalidQueryError",
     "StoreNotConfiguredError",
     "UnknownSessionError",
+    "SessionDroppedError",
+    "WorkerIdInUseError",
     "drop_session",
     "fetch_episodes",
     "list_sessions",

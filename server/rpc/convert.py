@@ -51,6 +51,8 @@ _STATUS = {
     ErrorKind.NO_LOG: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.SHUTTING_DOWN: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.WORKER_IN_USE: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.SESSION_DROPPED: grpc.StatusCode.FAILED_PRECONDITION,
 }
 assert set(_STATUS) == set(ErrorKind)
 
