@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import numpy as np
 
+from ._loss import data_loss_error
 from ._messages import array_to_proto
 from ._proto import recorder_pb2 as pb
 from ._wire import ERROR_KIND_KEY
 from .errors import (
-    DataLossError,
     InvalidChunkError,
     RecorderError,
     RecorderUnavailableError,
@@ -158,6 +158,8 @@ class ChunkSender:
         join: Callable[[int], int],
         session: str,
         worker_id: str,
+        instance: str = "",
+        loss: Callable[[], Any] = lambda: None,
         target: str,
         max_bytes_in_flight: int,
         compression_level: int,
@@ -176,6 +178,10 @@ class ChunkSender:
         self._join = join
         self._session = session
         self._worker_id = worker_id
+        # The recorder's instance id (sent on every stream's open), and the loss report of
+        # its last join (a JoinReply.loss, or None).
+        self._instance = instance
+        self._loss_report = loss
         self._target = target
         self._max_in_flight = max_bytes_in_flight
         self._level = compression_level
@@ -394,7 +400,11 @@ class ChunkSender:
 
     # -- sender thread ---------------------------------------------------
     def _requests(self, generation: int) -> Iterator[pb.RecordRequest]:
-        yield pb.RecordRequest(open=pb.RecordOpen(session=self._session, worker_id=self._worker_id))
+        yield pb.RecordRequest(
+            open=pb.RecordOpen(
+                session=self._session, worker_id=self._worker_id, instance_id=self._instance
+            )
+        )
         while True:
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
@@ -557,7 +567,7 @@ class ChunkSender:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
         if last < self._acked:
-            self._lost(last + 1, self._acked)
+            self._lost(last + 1, self._acked, self._loss_report())
         with self._cond:
             self.stats.reconnects += 1
             # The server (perhaps restarted) counts this worker's chunks up to `last`; its
@@ -574,16 +584,8 @@ class ChunkSender:
         logger.info("reconnected to %s; resending %d chunks", self._target, len(resend))
         return True
 
-    def _lost(self, first: int, last: int) -> None:
-        error = DataLossError(
-            f"the recorder server at {self._target} lost chunks {first}..{last} of worker "
-            f"{self._worker_id!r} in session {self._session!r} after acknowledging them (its "
-            "write-ahead log lost its last unsynced records, e.g. in a power cut); recording "
-            f"goes on from chunk {last + 1}",
-            worker_id=self._worker_id,
-            first=first,
-            last=last,
-        )
+    def _lost(self, first: int, last: int, report: Any = None) -> None:
+        error = data_loss_error(self._target, self._worker_id, self._session, first, last, report)
         logger.warning("%s", error)
         with self._cond:
             self.stats.sequences_lost += last - first + 1

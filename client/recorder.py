@@ -142,6 +142,9 @@ class RolloutRecorder:
         self.capture_config = capture
         self.session = session
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Proves to the server that this recorder holds its worker id (never shown to others):
+        # its own reconnect takes the id back; another recorder given the same id is refused.
+        self._instance = uuid.uuid4().hex
         self._block = on_backpressure == "block"
         self._raise_loss = raise_loss
         self._lock = threading.Lock()
@@ -177,6 +180,8 @@ class RolloutRecorder:
                 join=self._join,
                 session=session,
                 worker_id=self.worker_id,
+                instance=self._instance,
+                loss=lambda: self._joined.loss if self._joined.HasField("loss") else None,
                 target=target,
                 max_bytes_in_flight=max_bytes_in_flight,
                 compression_level=compression_level,
@@ -215,6 +220,7 @@ class RolloutRecorder:
             config=self._config(),
             worker_id=self.worker_id,
             acked_sequence=acked,
+            instance_id=self._instance,
         )
         # Waits for a server still starting, up to connect_timeout.
         reply = self._connection.connect("Join", request)
@@ -531,7 +537,11 @@ class RolloutRecorder:
             return
         try:
             self._connection.call(
-                "Leave", pb.LeaveRequest(session=self.session, worker_id=self.worker_id), 5.0
+                "Leave",
+                pb.LeaveRequest(
+                    session=self.session, worker_id=self.worker_id, instance_id=self._instance
+                ),
+                5.0,
             )
         except RecorderError as exc:
             logger.info("leaving session %r: %s", self.session, exc)

@@ -19,6 +19,7 @@ from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 from .dashboard import Dashboard
 from .dataset.sink import DatasetOptions, DatasetSink
 from .durability import Durability, DurabilityOptions, RecoveryReport
+from .identity import start_cause
 from .lifecycle import Lifecycle
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
 from .rpc.offload import Offload, default_threads
@@ -197,6 +198,9 @@ def start_server(options: ServerOptions) -> RunningServer:
             durability = Durability(options.data_dir, options.durability)
         sessions = Sessions(
             options.limits, metrics, None if durability is None else durability.journal
+        )
+        sessions.start_cause = start_cause(
+            durability is not None, options.durability.fsync, options.durability.batch_window_s
         )
         if options.dataset is not None:
             sessions.dataset = DatasetSink(options.dataset, sessions, metrics)

@@ -19,6 +19,9 @@ class LossKind(enum.Enum):
     """The newest checkpoint did not load and an older one was used."""
     DROP = "drop"
     """The session was dropped."""
+    UNSYNCED_TAIL = "unsynced_tail"
+    """The server stopped before its log synced them (--wal-fsync batch or never, or no
+    log): what the fsync policy allows a power cut to take."""
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,10 @@ from .durability import records
 from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
 from .errors import ErrorKind, RequestError, invalid
+from .identity import Identities, dropped_error
 from .ingest import ChunkEpisodes, EpisodeFeeder
 from .ingest.verify import VERIFIER
+from .loss import LossCause
 from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,11 @@ class Session:
         self.next_index = 0
         self.last_used = time.monotonic()
         self.dropped = False
+        self.dropped_at = 0.0  # wall clock of the drop
+        # Who holds each worker id, and who joined (identity.py).
+        self.identity = Identities(name)
+        # What recovery found may have cost acknowledged chunks (a torn tail, a fallback).
+        self.loss_causes: list[LossCause] = []
         self.processor = TrajectoryCaptureProcessor(
             config.capture, SessionMetrics(metrics, name), build_store(config.capture)
         )
@@ -241,13 +248,17 @@ class Session:
             return worker_id not in self.active or acked > self.last_sequence.get(worker_id, 0)
 
     def join(
-        self, worker_id: str, config: SessionConfig, acked: int = 0
+        self,
+        worker_id: str,
+        config: SessionConfig,
+        acked: int = 0,
+        cause: LossCause | None = None,
     ) -> tuple[WorkerTimeline, int]:
         """Add (or resume) a worker; returns its timeline and the last sequence held.
 
         ``acked``: the highest sequence the client saw acknowledged. When the session holds
-        less, the chunks in between were lost after their ack: they are counted, and the
-        worker goes on from ``acked + 1``.
+        less, the chunks in between were lost after their ack (``cause``: why, as the claim's
+        check found it): they are counted, and the worker goes on from ``acked + 1``.
         """
         check_acked(acked)
         with self.lock:
@@ -268,12 +279,12 @@ class Session:
                 self.metrics.inc("Recorder/sequences_lost", lost, session=self.name)
                 logger.warning(
                     "session %r, worker %r: chunks %d..%d were acknowledged but are not held "
-                    "(lost after their ack, e.g. by a power cut under batched fsync); the "
-                    "worker goes on from %d",
+                    "(%s); the worker goes on from %d",
                     self.name,
                     worker_id,
                     held + 1,
                     acked,
+                    cause.detail if cause is not None else "as the write-ahead log recorded",
                     acked + 1,
                 )
         return timeline, held
@@ -350,7 +361,7 @@ class Session:
             raise self._not_joined(worker_id)
         with lock:
             if self.dropped:
-                raise RequestError(ErrorKind.UNKNOWN_SESSION, f"session: {self.name!r} was dropped")
+                raise dropped_error(self.name, self.dropped_at)
             if self.workers.get(worker_id) is not timeline or worker_id not in self.active:
                 raise self._not_joined(worker_id)
             seq = chunk.sequence
@@ -373,9 +384,7 @@ class Session:
             decoded = decode_chunk(chunk, self.config, self.feeder.alloc, self._lazy)
             with self.lock:
                 if self.dropped:
-                    raise RequestError(
-                        ErrorKind.UNKNOWN_SESSION, f"session: {self.name!r} was dropped"
-                    )
+                    raise dropped_error(self.name, self.dropped_at)
                 if self.is_full:
                     return self._drop_full(timeline)
                 check_schema(self.schema, timeline.num_envs, decoded)

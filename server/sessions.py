@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from recorder_client import _wire
 from .chunks import SessionConfig
 from .durability import records, snapshot
 from .errors import ErrorKind, RequestError
+from .identity import Tombstones, check_claim, dropped_error
+from .loss import LossCause
 from .session import Journal, Session, append, check_acked, check_session_name
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,11 @@ class Sessions:
         self._lock = threading.RLock()
         # The dataset sink (serve --dataset-uri), or None.
         self.dataset: Any = None
+        # Dropped sessions' names and the recorders that had joined them.
+        self.tombstones = Tombstones()
+        # What the last stop may have cost acknowledged chunks under the fsync policy (set
+        # after recovery); explains a claim of a worker not yet joined in this process.
+        self.start_cause: LossCause | None = None
 
     def _new(self, name: str, config: SessionConfig) -> Session:
         session = Session(
@@ -84,14 +92,24 @@ class Sessions:
         worker_id: str,
         acked: int = 0,
         *,
+        instance: str = "",
         log: bool = True,
     ) -> tuple[Session, int]:
         """Create the session on first use and add (or resume) the worker; logged before it
-        counts. Returns the session and the last sequence it held for the worker."""
+        counts. Returns the session and the last sequence it held for the worker.
+
+        A live join (``log``) is refused when the session was dropped under this recorder
+        ``instance``, when ``acked`` claims more than the server can have acknowledged, or
+        when another instance holds the worker id (identity.py)."""
         name = check_session_name(name)
         check_acked(acked)
         with self._lock:
+            if log:
+                self.tombstones.check(name, instance, acked)
             session = self._sessions.get(name)
+            cause = None
+            if log:
+                cause = self._check_claim(session, name, worker_id, acked)
             if session is None:
                 if len(self._sessions) >= self.limits.max_sessions:
                     raise RequestError(
@@ -110,17 +128,52 @@ class Sessions:
                     raise
                 self._sessions[name] = session
                 logger.info("session %r created: %s", name, config)
-            elif session.needs_log(worker_id, acked):
-                session.check_join(worker_id, config)
-                if log and self.journal is not None:
-                    append(self.journal, records.join(name, worker_id, config, acked))
-            _timeline, held = session.join(worker_id, config, acked)
+            else:
+                if log:  # another instance's live lease refuses the join here
+                    session.identity.take(worker_id, instance)
+                if session.needs_log(worker_id, acked):
+                    session.check_join(worker_id, config)
+                    if log and self.journal is not None:
+                        append(self.journal, records.join(name, worker_id, config, acked))
+            _timeline, held = session.join(worker_id, config, acked, cause)
+            if log:
+                session.identity.take(worker_id, instance)
+                session.identity.last_loss[worker_id] = cause
             return session, held
 
-    def leave(self, name: str, worker_id: str, *, expired: bool = False, log: bool = True) -> None:
-        """The worker no longer counts against the session's worker limit (logged)."""
+    def _check_claim(
+        self, session: Session | None, name: str, worker_id: str, acked: int
+    ) -> LossCause | None:
+        """The cause of the loss a join's claim reveals, or INVALID (identity.py)."""
+        if session is None:  # nothing held, nothing joined here
+            return check_claim(name, worker_id, acked, 0, [], self.start_cause, set())
+        held = session.last_sequence.get(worker_id, session.forgotten.get(worker_id, 0))
+        return check_claim(
+            name,
+            worker_id,
+            acked,
+            held,
+            session.loss_causes,
+            self.start_cause,
+            session.identity.joined_here,
+        )
+
+    def leave(
+        self,
+        name: str,
+        worker_id: str,
+        *,
+        expired: bool = False,
+        log: bool = True,
+        instance: str | None = None,
+    ) -> None:
+        """The worker no longer counts against the session's worker limit (logged), and
+        its worker id is free. ``instance``: the recorder that leaves (refused while another
+        one holds the id); None for an expiry."""
         session = self.get(name)
         with self._lock:
+            if log:
+                session.identity.release(worker_id, instance)
             if worker_id not in session.active:
                 return
             if log and self.journal is not None:
@@ -139,11 +192,13 @@ class Sessions:
             with session.dataset_lock:
                 with session.lock:
                     session.dropped = True
+                    session.dropped_at = time.time()
                 try:
                     self.dataset.flush_now(session)
                 except BaseException:
                     with session.lock:
                         session.dropped = False
+                        session.dropped_at = 0.0
                     raise
         with self._lock:
             session = self.get(name)
@@ -151,7 +206,13 @@ class Sessions:
                 if log and self.journal is not None:
                     append(self.journal, records.drop(name))
                 session.dropped = True
+                session.dropped_at = session.dropped_at or time.time()
                 del self._sessions[name]
+            if log:
+                # Its recorders are refused from now on, and told at once on an open stream.
+                self.tombstones.add(name, session.identity.instances, session.dropped_at)
+        if log:
+            session.identity.end_streams(dropped_error(name, session.dropped_at))
         session.close()
         self.metrics.forget(session=name)
         logger.info("session %r dropped", name)

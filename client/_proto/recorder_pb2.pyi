@@ -63,36 +63,66 @@ class SessionConfig(_message.Message):
     def __init__(self, max_episodes: _Optional[int] = ..., record_states: _Optional[bool] = ..., state_fields: _Optional[_Iterable[str]] = ..., capture_config_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("session", "config", "worker_id", "acked_sequence")
+    __slots__ = ("session", "config", "worker_id", "acked_sequence", "instance_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session: str
     config: SessionConfig
     worker_id: str
     acked_sequence: int
-    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs")
+    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs", "loss")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PACKED_CODECS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     last_sequence: int
     status: StatusReply
     packed_codecs: bool
-    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ...) -> None: ...
+    loss: LossReport
+    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ..., loss: _Optional[_Union[LossReport, _Mapping]] = ...) -> None: ...
+
+class LossReport(_message.Message):
+    __slots__ = ("cause", "detail", "first_sequence", "last_sequence")
+    class Cause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CAUSE_UNSPECIFIED: _ClassVar[LossReport.Cause]
+        CAUSE_TORN_TAIL: _ClassVar[LossReport.Cause]
+        CAUSE_CHECKPOINT_FALLBACK: _ClassVar[LossReport.Cause]
+        CAUSE_DROP: _ClassVar[LossReport.Cause]
+        CAUSE_UNSYNCED_TAIL: _ClassVar[LossReport.Cause]
+    CAUSE_UNSPECIFIED: LossReport.Cause
+    CAUSE_TORN_TAIL: LossReport.Cause
+    CAUSE_CHECKPOINT_FALLBACK: LossReport.Cause
+    CAUSE_DROP: LossReport.Cause
+    CAUSE_UNSYNCED_TAIL: LossReport.Cause
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    cause: LossReport.Cause
+    detail: str
+    first_sequence: int
+    last_sequence: int
+    def __init__(self, cause: _Optional[_Union[LossReport.Cause, str]] = ..., detail: _Optional[str] = ..., first_sequence: _Optional[int] = ..., last_sequence: _Optional[int] = ...) -> None: ...
 
 class RecordOpen(_message.Message):
-    __slots__ = ("session", "worker_id")
+    __slots__ = ("session", "worker_id", "instance_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session: str
     worker_id: str
-    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("sequence", "action", "reward", "done", "states", "outcome")
@@ -475,12 +505,14 @@ class CheckpointReply(_message.Message):
     def __init__(self, path: _Optional[str] = ..., wal_index: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("session", "worker_id")
+    __slots__ = ("session", "worker_id", "instance_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session: str
     worker_id: str
-    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()

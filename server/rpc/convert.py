@@ -29,6 +29,7 @@ from ..chunks import (
 )
 from ..episodes import Assembly, StoredChunk
 from ..errors import ErrorKind, RequestError, invalid
+from ..loss import LossCause, LossKind
 from ..session import Applied, Counters, Session
 from ..sessions import ServiceLimits
 from ..store import EpisodeArrays
@@ -79,6 +80,24 @@ def _capped(message: str) -> str:
     if len(message) <= MAX_MESSAGE_CHARS:
         return message
     return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters)"
+
+
+_CAUSES = {
+    LossKind.TORN_TAIL: pb.LossReport.CAUSE_TORN_TAIL,
+    LossKind.CHECKPOINT_FALLBACK: pb.LossReport.CAUSE_CHECKPOINT_FALLBACK,
+    LossKind.DROP: pb.LossReport.CAUSE_DROP,
+    LossKind.UNSYNCED_TAIL: pb.LossReport.CAUSE_UNSYNCED_TAIL,
+}
+assert set(_CAUSES) == set(LossKind)
+
+
+def loss_report(cause: LossCause | None, first: int, last: int) -> pb.LossReport:
+    """A join's report of a worker's lost sequences (cause None: a replayed claim)."""
+    report = pb.LossReport(first_sequence=first, last_sequence=last)
+    if cause is not None:
+        report.cause = _CAUSES[cause.kind]
+        report.detail = cause.detail
+    return report
 
 
 def trailing(kind: str) -> tuple[tuple[str, str], ...]:

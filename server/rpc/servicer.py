@@ -70,6 +70,20 @@ def _encode_parts(batch: list[pb.FinishPart | _Gathered]) -> list[pb.FinishPart]
     return [p if isinstance(p, pb.FinishPart) else convert.finish_part(*p) for p in batch]
 
 
+class _Stream:
+    """One Record stream's handler task, which a drop ends from another thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.error: RequestError | None = None
+
+    def end(self, error: RequestError) -> None:
+        self.error = error
+        if self.task is not None:
+            self.loop.call_soon_threadsafe(self.task.cancel)
+
+
 class RecorderServicer(pb_grpc.RecorderServicer):
     def __init__(self, lifecycle: Lifecycle, metrics, *, ingest: Offload, control: Offload) -> None:
         self.lifecycle = lifecycle
@@ -100,8 +114,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     # -- recording -------------------------------------------------------
     def _join(self, request: pb.JoinRequest) -> tuple[Session, pb.JoinReply]:
         config = convert.config_from_proto(request.config)
+        acked = request.acked_sequence
         session, held = self.sessions.join(
-            request.session, config, request.worker_id, request.acked_sequence
+            request.session, config, request.worker_id, acked, instance=request.instance_id
         )
         reply = pb.JoinReply(
             worker_index=session.workers[request.worker_id].index,
@@ -109,6 +124,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             status=convert.session_status(session),
             packed_codecs=True,
         )
+        if acked > held:
+            cause = session.identity.last_loss.get(request.worker_id)
+            reply.loss.CopyFrom(convert.loss_report(cause, held + 1, acked))
         return session, reply
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -123,15 +141,20 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                 await asyncio.sleep(0.05)
         return reply
 
-    def _open(self, request: pb.RecordRequest) -> tuple[Session, str]:
+    def _open(self, request: pb.RecordRequest, stream: _Stream) -> tuple[Session, str, int]:
         if request.WhichOneof("kind") != "open":
             raise invalid("Record: expected `open` as the first message, got a chunk")
-        session = self.sessions.get(request.open.session)
-        session.worker(request.open.worker_id)
-        return session, request.open.worker_id
+        opened = request.open
+        self.sessions.tombstones.check(opened.session, opened.instance_id)
+        session = self.sessions.get(opened.session)
+        session.worker(opened.worker_id)
+        epoch = session.identity.open(opened.worker_id, opened.instance_id, stream.end)
+        return session, opened.worker_id, epoch
 
-    def _apply(self, session: Session, worker_id: str, msg: pb.Chunk) -> pb.RecordAck:
+    def _apply(self, session: Session, worker_id: str, epoch: int, msg: pb.Chunk) -> pb.RecordAck:
         began = time.perf_counter()
+        if not session.identity.current(worker_id, epoch):
+            raise session.identity.superseded(worker_id)
         try:
             chunk = convert.chunk_from_proto(msg, self.limits)
         except RequestError as err:
@@ -162,15 +185,32 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
-        session, worker_id = await self._run(context, self._open, first)
-        async for request in request_iterator:
-            if request.WhichOneof("kind") != "chunk":
-                await self._abort(context, invalid("Record: expected a chunk, got `open` again"))
-            try:
-                reply = await self.ingest.run(self._apply, session, worker_id, request.chunk)
-            except Exception as exc:
-                await self._abort(context, exc)
-            yield reply
+        stream = _Stream()
+        opened: tuple[Session, str, int] | None = None
+        try:
+            opened = await self._run(context, self._open, first, stream)
+            session, worker_id, epoch = opened
+            async for request in request_iterator:
+                if request.WhichOneof("kind") != "chunk":
+                    await self._abort(
+                        context, invalid("Record: expected a chunk, got `open` again")
+                    )
+                try:
+                    reply = await self.ingest.run(
+                        self._apply, session, worker_id, epoch, request.chunk
+                    )
+                except Exception as exc:
+                    await self._abort(context, exc)
+                yield reply
+        except asyncio.CancelledError:
+            if stream.error is None:  # the client or the server went away
+                raise
+            # Ended from outside (the session was dropped): the worker hears why.
+            asyncio.current_task().uncancel()
+            await self._abort(context, stream.error)
+        finally:
+            if opened is not None:
+                opened[0].identity.close(opened[1], opened[2])
 
     def _finish_parts(self, request: pb.FinishRequest) -> Iterator[pb.FinishPart | _Gathered]:
         session = self.sessions.get(request.session)
@@ -388,7 +428,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
 
     # -- sessions as resources -------------------------------------------
     def _leave(self, request: pb.LeaveRequest) -> pb.LeaveReply:
-        self.sessions.leave(request.session, request.worker_id)
+        self.sessions.leave(request.session, request.worker_id, instance=request.instance_id)
         return pb.LeaveReply()
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:

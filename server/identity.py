@@ -1,0 +1,279 @@
+"""Who may write as a worker: one live stream per (session, worker_id), checked claims of
+acknowledged chunks, and the names of dropped sessions.
+
+A lease ties a worker id to the recorder instance that joined with it
+(``JoinRequest.instance_id``, a random id each RolloutRecorder makes once). It is held while
+one of that instance's Record streams is open, and for a grace period after its join or after
+its last stream ended, so that its own reconnect finds it again; another instance is refused
+(WORKER_IN_USE) meanwhile. Leave and expiry release it. Each stream opened takes the next
+epoch of the lease: only the newest stream writes (an older one of the same instance that
+the server has not seen end yet is refused), so a reconnect never races its old stream.
+
+The instance id is never shown to another client: knowing it is what proves "its own".
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from recorder_client import _wire
+
+from .errors import ErrorKind, RequestError, invalid
+from .loss import LossCause, LossKind
+
+# How long a lease outlives the join or stream that last held it, for its own reconnect: the
+# client's reconnect backoff tops out at 2 s, so a live holder is back well within this.
+GRACE_S = 10.0
+
+# Dropped sessions remembered (the oldest forgotten beyond this many).
+MAX_TOMBSTONES = 4096
+
+_shown = _wire.shown
+
+
+def _utc(unix: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+
+
+@dataclass
+class Lease:
+    instance: str
+    since: float
+    """Wall clock when this instance took the worker id."""
+    idle_since: float
+    """Monotonic time since which no stream of it is open (its join, or its last stream's
+    end); meaningless while one is."""
+    epoch: int = 0
+    streams: dict[int, Callable[[RequestError], None]] = field(default_factory=dict)
+    """Open streams by epoch, each with what ends it from outside (a drop)."""
+
+
+class Identities:
+    """The leases of one session's workers, and who ever joined it."""
+
+    def __init__(self, session: str, grace: float | None = None) -> None:
+        self.session = session
+        self.grace = GRACE_S if grace is None else grace
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        # Every instance that joined: a drop refuses exactly these afterwards.
+        self.instances: set[str] = set()
+        # Workers that joined this server process: it knows every ack it sent them, so a
+        # claim above what it holds has no cause it could name.
+        self.joined_here: set[str] = set()
+        # worker -> the cause of the loss its last join counted (for the join's reply).
+        self.last_loss: dict[str, LossCause | None] = {}
+
+    # -- leases ----------------------------------------------------------
+    def _refuse(self, worker_id: str, lease: Lease, now: float) -> RequestError:
+        if lease.streams:
+            state = "with a Record stream open"
+        else:
+            idle = now - lease.idle_since
+            state = (
+                f"without a stream for {idle:.1f} s (kept {self.grace - idle:.1f} s more for "
+                "its own reconnect)"
+            )
+        return RequestError(
+            ErrorKind.WORKER_IN_USE,
+            f"worker_id: {_shown(worker_id)} of session {self.session!r} is held by another "
+            f"recorder since {_utc(lease.since)}, {state}; expected a worker id no live "
+            "recorder holds. Give each recorder its own worker_id (two trainers given one "
+            "id would overwrite each other), or close the other recorder first",
+        )
+
+    def _live_other(self, worker_id: str, instance: str, now: float) -> Lease | None:
+        # Call with the lock held.
+        lease = self._leases.get(worker_id)
+        if lease is None or lease.instance == instance:
+            return None
+        if lease.streams or now - lease.idle_since < self.grace:
+            return lease
+        return None
+
+    def check(self, worker_id: str, instance: str) -> None:
+        """Raise WORKER_IN_USE when another instance holds the worker id."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._live_other(worker_id, instance, now)
+            if lease is not None:
+                raise self._refuse(worker_id, lease, now)
+
+    def take(self, worker_id: str, instance: str) -> None:
+        """A join: the instance holds the worker id (again), its grace counted from now."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._live_other(worker_id, instance, now)
+            if lease is not None:
+                raise self._refuse(worker_id, lease, now)
+            lease = self._leases.get(worker_id)
+            if lease is None or lease.instance != instance:
+                self._leases[worker_id] = Lease(instance, time.time(), now)
+            elif not lease.streams:
+                lease.idle_since = now
+            self.instances.add(instance)
+            self.joined_here.add(worker_id)
+
+    def open(self, worker_id: str, instance: str, end: Callable[[RequestError], None]) -> int:
+        """A Record stream of this instance opens; returns its epoch (the newest)."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._live_other(worker_id, instance, now)
+            if lease is not None:
+                raise self._refuse(worker_id, lease, now)
+            lease = self._leases.get(worker_id)
+            if lease is None or lease.instance != instance:
+                lease = self._leases[worker_id] = Lease(instance, time.time(), now)
+                self.instances.add(instance)
+            lease.epoch += 1
+            lease.streams[lease.epoch] = end
+            return lease.epoch
+
+    def current(self, worker_id: str, epoch: int) -> bool:
+        """Whether the stream of this epoch is the worker's newest (read without the lock:
+        one chunk's check)."""
+        lease = self._leases.get(worker_id)
+        return lease is not None and lease.epoch == epoch
+
+    def superseded(self, worker_id: str) -> RequestError:
+        return RequestError(
+            ErrorKind.WORKER_IN_USE,
+            f"worker_id: a newer Record stream of {_shown(worker_id)} in session "
+            f"{self.session!r} was opened; this one no longer writes",
+        )
+
+    def close(self, worker_id: str, epoch: int) -> None:
+        """A stream ended: once none is open, the grace period starts."""
+        with self._lock:
+            lease = self._leases.get(worker_id)
+            if lease is None or lease.streams.pop(epoch, None) is None:
+                return
+            if not lease.streams:
+                lease.idle_since = time.monotonic()
+
+    def release(self, worker_id: str, instance: str | None = None) -> None:
+        """Leave (``instance``: the leaving one; another instance's live lease stays, and
+        refuses it) or expiry (None: released unless a stream is open)."""
+        now = time.monotonic()
+        with self._lock:
+            lease = self._leases.get(worker_id)
+            if lease is None:
+                return
+            if instance is not None and lease.instance != instance:
+                if self._live_other(worker_id, instance, now) is not None:
+                    raise self._refuse(worker_id, lease, now)
+            if not lease.streams:
+                del self._leases[worker_id]
+
+    def end_streams(self, error: RequestError) -> None:
+        """End every open stream with ``error`` (the session is dropped)."""
+        with self._lock:
+            ends = [end for lease in self._leases.values() for end in lease.streams.values()]
+        for end in ends:
+            end(error)
+
+
+def check_claim(
+    session: str,
+    worker_id: str,
+    acked: int,
+    held: int,
+    causes: list[LossCause],
+    start_cause: LossCause | None,
+    joined_here: set[str],
+) -> LossCause | None:
+    """The cause of the loss a join claiming ``acked`` reveals (None: no loss), or INVALID
+    when the server cannot have acknowledged that much.
+
+    ``held``: the highest sequence the session holds for the worker. A cause that recovery
+    recorded for this worker (or for all of the session's) explains any claim above it; so
+    does ``start_cause`` (what the fsync policy may have lost when the server last stopped)
+    for a worker not in ``joined_here`` (the workers that joined this process: every ack
+    this process sent, it still holds)."""
+    if acked <= held:
+        return None
+    for cause in causes:
+        if cause.worker_id in ("", worker_id) and cause.first_sequence <= held + 1:
+            return cause
+    if start_cause is not None and worker_id not in joined_here:
+        return start_cause
+    raise invalid(
+        f"acked_sequence: expected at most {held} for worker {_shown(worker_id)} of session "
+        f"{session!r} (the highest sequence this server holds or could have acknowledged for "
+        f"it: no torn log tail, checkpoint fallback or unsynced log explains more), got {acked}"
+    )
+
+
+def start_cause(log: bool, fsync: str, window_s: float) -> LossCause | None:
+    """What the last stop may have cost acknowledged chunks, by the log's fsync policy
+    (server/durability/wal.py): with "always" nothing (each ack follows its fsync); with
+    "batch" or "never", or without a log, a power cut loses records a previous process
+    acknowledged, and the log cannot say how many."""
+    if not log:
+        detail = (
+            "the server runs without a write-ahead log (--no-wal): a restart keeps nothing "
+            "acknowledged before it"
+        )
+    elif fsync == "batch":
+        detail = (
+            "the server stopped before its write-ahead log synced them (--wal-fsync batch "
+            f"syncs every {window_s * 1000:.0f} ms; a power cut loses what came since)"
+        )
+    elif fsync == "never":
+        detail = (
+            "the server stopped before its write-ahead log synced them (--wal-fsync never "
+            "leaves syncing to the OS; a power cut loses what it had not written)"
+        )
+    else:
+        return None
+    return LossCause(LossKind.UNSYNCED_TAIL, detail)
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    dropped_unix: float
+    instances: frozenset[str]
+
+
+class Tombstones:
+    """Dropped sessions by name, with the instances that had joined them: those get
+    SESSION_DROPPED from then on, even after a new recorder created the session again."""
+
+    def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._dropped: collections.OrderedDict[str, Tombstone] = collections.OrderedDict()
+
+    def add(self, name: str, instances: set[str], when: float | None = None) -> None:
+        with self._lock:
+            old = self._dropped.pop(name, None)
+            members = frozenset(instances) | (old.instances if old else frozenset())
+            self._dropped[name] = Tombstone(time.time() if when is None else when, members)
+            while len(self._dropped) > self._limit:
+                self._dropped.popitem(last=False)
+
+    def get(self, name: str) -> Tombstone | None:
+        with self._lock:
+            return self._dropped.get(name)
+
+    def check(self, name: str, instance: str, acked: int = 0) -> None:
+        """Raise SESSION_DROPPED for a recorder of a dropped session. An instance that named
+        none is taken for one of the dropped session's when it claims acknowledged chunks."""
+        stone = self.get(name)
+        if stone is None:
+            return
+        if instance in stone.instances and (instance or acked > 0):
+            raise dropped_error(name, stone.dropped_unix)
+
+
+def dropped_error(name: str, when: float) -> RequestError:
+    return RequestError(
+        ErrorKind.SESSION_DROPPED,
+        f"session: {name!r} was dropped at {_utc(when)}; this recorder's worker no longer "
+        "records into it, and a reconnect does not create it again. Make a new recorder to "
+        "record into a new session of that name",
+    )

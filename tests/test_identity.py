@@ -1,0 +1,241 @@
+"""Who may write as a worker (issue 34, failures 2-4): one live stream per (session,
+worker_id), a join's claim of acknowledged chunks checked, and drops that stick.
+
+Real servers on port 0; the truth (chunks, steps, done flags) is counted here with numpy.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import numpy as np
+import pytest
+from conftest import RestartableServer, wait_for
+
+from recorder_client import (
+    RolloutRecorder,
+    SessionDroppedError,
+    WorkerIdInUseError,
+    drop_session,
+    list_sessions,
+)
+from recorder_client._proto import recorder_pb2 as pb
+from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+
+def chunk(seed: int, t: int = 6, n: int = 2) -> dict:
+    rng = np.random.default_rng(seed)
+    done = rng.random((t, n)) < 0.3
+    done[-1] = True
+    return {
+        "action": rng.integers(0, 9, (t, n)).astype(np.int32),
+        "reward": rng.random((t, n)).astype(np.float32),
+        "done": done,
+    }
+
+
+def truth(chunks: list[dict]) -> tuple[int, int]:
+    """(steps, finished episodes) of these chunks, counted here."""
+    return sum(c["done"].shape[0] for c in chunks), sum(int(c["done"].sum()) for c in chunks)
+
+
+def held(rec: RolloutRecorder, worker_id: str) -> tuple[int, int, int, int]:
+    """(chunks stored, last sequence, steps, sequences lost) of one worker as the server has
+    them."""
+    status = rec.status()
+    (worker,) = [w for w in status.workers if w.worker_id == worker_id]
+    return worker.chunks_stored, worker.last_sequence, worker.steps, worker.sequences_lost
+
+
+def test_a_second_recorder_with_the_same_worker_id_is_refused_before_it_records(target):
+    chunks = [chunk(i) for i in range(10)]
+    with RolloutRecorder(target=target, session="two", worker_id="w") as first:
+        for c in chunks[:5]:
+            first.record(c)
+        first.flush()
+        with pytest.raises(WorkerIdInUseError) as refused:
+            RolloutRecorder(target=target, session="two", worker_id="w")
+        message = str(refused.value)
+        assert "'w'" in message and "session 'two'" in message
+        assert " since 20" in message and "UTC" in message  # since when it is held
+        assert "own worker_id" in message  # how to fix it
+        for c in chunks[5:]:
+            first.record(c)
+        first.flush()
+        steps, episodes = truth(chunks)
+        assert held(first, "w") == (10, 10, steps, 0)
+        status = first.status()
+        assert (status.num_recorded_steps, status.episodes_finished) == (steps, episodes)
+        assert first.stats.chunks_acked == 10 and first.stats.sequences_lost == 0
+
+
+def _config(rec: RolloutRecorder) -> pb.SessionConfig:
+    return rec._config()
+
+
+def test_an_overclaiming_join_is_refused_and_voids_nothing(target):
+    chunks = [chunk(i) for i in range(6)]
+    with RolloutRecorder(target=target, session="claim", worker_id="w") as live:
+        for c in chunks[:3]:
+            live.record(c)
+        live.flush()
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.RecorderStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Join(
+                    pb.JoinRequest(
+                        session="claim",
+                        config=_config(live),
+                        worker_id="w",
+                        acked_sequence=10**6,
+                        instance_id="someone-else",
+                    ),
+                    timeout=10,
+                )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = refused.value.details()
+        assert "acked_sequence" in details and "1000000" in details
+        assert "at most 3" in details
+        for c in chunks[3:]:
+            live.record(c)
+        live.flush()
+        steps, _ = truth(chunks)
+        assert held(live, "w") == (6, 6, steps, 0)
+        assert live.status().sequences_lost == 0 and live.stats.sequences_lost == 0
+
+
+def test_another_instance_is_refused_while_the_holder_has_a_stream(target):
+    """A raw client naming another instance can neither join, stream nor leave as the
+    holder's worker id; the holder goes on."""
+    with RolloutRecorder(target=target, session="fence", worker_id="w") as holder:
+        holder.record(chunk(0))
+        holder.flush()
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.RecorderStub(channel)
+            join = pb.JoinRequest(
+                session="fence", config=_config(holder), worker_id="w", instance_id="thief"
+            )
+            with pytest.raises(grpc.RpcError) as joined:
+                stub.Join(join, timeout=10)
+            assert joined.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            opened = pb.RecordOpen(session="fence", worker_id="w", instance_id="thief")
+            with pytest.raises(grpc.RpcError) as streamed:
+                list(stub.Record(iter([pb.RecordRequest(open=opened)]), timeout=10))
+            assert streamed.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            leave = pb.LeaveRequest(session="fence", worker_id="w", instance_id="thief")
+            with pytest.raises(grpc.RpcError) as left:
+                stub.Leave(leave, timeout=10)
+            assert left.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        holder.record(chunk(1))
+        holder.flush()
+        assert held(holder, "w")[:2] == (2, 2)
+
+
+def test_the_holder_takes_its_worker_id_back_after_a_restart(tmp_path):
+    server = RestartableServer(tmp_path / "data").start()
+    chunks = [chunk(i) for i in range(6)]
+    try:
+        rec = RolloutRecorder(
+            target=server.address, session="back", worker_id="w", reconnect_timeout=60
+        )
+        for c in chunks[:3]:
+            rec.record(c)
+        rec.flush()
+        server.stop()  # its stream is cut
+        server.start()
+        for c in chunks[3:]:
+            rec.record(c)
+        rec.flush(timeout=60)
+        assert rec.stats.reconnects >= 1
+        steps, _ = truth(chunks)
+        assert held(rec, "w") == (6, 6, steps, 0)
+        # Its own again: another recorder with that id is still refused.
+        with pytest.raises(WorkerIdInUseError):
+            RolloutRecorder(target=server.address, session="back", worker_id="w")
+        rec.close()
+        # Left: the id is free for a new recorder, which resumes after the stored chunks.
+        with RolloutRecorder(target=server.address, session="back", worker_id="w") as again:
+            again.record(chunk(7))
+            again.flush()
+            assert held(again, "w")[:2] == (7, 7)
+    finally:
+        server.stop()
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from recorder_client import RolloutRecorder
+    rec = RolloutRecorder(target=sys.argv[1], session="gone", worker_id="w")
+    rec.record({"action": np.zeros((4, 2), np.int32), "reward": np.zeros((4, 2), np.float32),
+                "done": np.ones((4, 2), bool)})
+    rec.flush()
+    print("ready", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_killed_holders_id_is_kept_for_its_grace_then_free(server, monkeypatch):
+    """The server holds a worker id whose stream ended for a grace period (a live holder
+    reconnects within it), then gives it to the next recorder."""
+    from recorder_server import identity
+
+    monkeypatch.setattr(identity, "GRACE_S", 2.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, server.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        ended = time.monotonic()
+        with pytest.raises(WorkerIdInUseError, match="without a stream"):
+            RolloutRecorder(target=server.address, session="gone", worker_id="w")
+        assert time.monotonic() - ended < 2.0
+        assert wait_for(lambda: time.monotonic() - ended > 2.1, timeout=5)
+        with RolloutRecorder(target=server.address, session="gone", worker_id="w") as taker:
+            taker.record(chunk(1))
+            taker.flush()
+            assert held(taker, "w")[:2] == (2, 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_drop_sticks_for_its_recorders_and_a_new_recorder_recreates_it(target):
+    rec = RolloutRecorder(target=target, session="dropme", worker_id="w", reconnect_timeout=10)
+    try:
+        for i in range(3):
+            rec.record(chunk(i))
+        rec.flush()
+        drop_session(target, "dropme")
+        with pytest.raises(SessionDroppedError) as told:
+            rec.record(chunk(3))
+            rec.flush(timeout=10)
+        message = str(told.value)
+        assert "'dropme'" in message and "dropped at 20" in message
+        time.sleep(0.5)  # a reconnect, if any, would have re-created it by now
+        assert "dropme" not in [s.name for s in list_sessions(target)]
+        with pytest.raises(SessionDroppedError):
+            rec.flush(timeout=10)
+        with RolloutRecorder(target=target, session="dropme", worker_id="w") as fresh:
+            fresh.record(chunk(9))
+            fresh.flush()
+            steps, _ = truth([chunk(9)])
+            assert held(fresh, "w") == (1, 1, steps, 0)
+            assert fresh.status().sequences_lost == 0
+        # Still refused after the session exists again.
+        with pytest.raises(SessionDroppedError):
+            rec.flush(timeout=10)
+    finally:
+        rec.close()
