@@ -550,8 +550,6 @@ class ChunkSender:
             try:
                 last = self._join(self._acked)
                 break
-            except ValueError:  # the channel was closed under us: we are shutting down
-                return False
             except RecorderUnavailableError as exc:
                 if time.monotonic() + delay > deadline:
                     self._fail(
@@ -561,8 +559,10 @@ class ChunkSender:
                         )
                     )
                     return False
-            except RecorderError as exc:
+            except RecorderError as exc:  # a refusal (some are ValueErrors): first
                 self._fail(exc)
+                return False
+            except ValueError:  # the channel was closed under us: we are shutting down
                 return False
             time.sleep(delay)
             delay = min(delay * 2, 2.0)

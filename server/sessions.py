@@ -130,7 +130,7 @@ class Sessions:
                 logger.info("session %r created: %s", name, config)
             else:
                 if log:  # another instance's live lease refuses the join here
-                    session.identity.take(worker_id, instance)
+                    session.identity.check(worker_id, instance)
                 if session.needs_log(worker_id, acked):
                     session.check_join(worker_id, config)
                     if log and self.journal is not None:

@@ -18,6 +18,7 @@ import pytest
 from conftest import RestartableServer, wait_for
 
 from recorder_client import (
+    InvalidChunkError,
     RolloutRecorder,
     SessionDroppedError,
     WorkerIdInUseError,
@@ -239,3 +240,31 @@ def test_a_drop_sticks_for_its_recorders_and_a_new_recorder_recreates_it(target)
             rec.flush(timeout=10)
     finally:
         rec.close()
+
+
+def test_a_claim_no_cause_explains_fails_the_worker_loudly(tmp_path):
+    """Under --wal-fsync always every ack follows its fsync: a log that lost acknowledged
+    chunks (here cut by hand at a record boundary, no torn tail) has no cause the server can
+    name, so the worker's claim is refused, naming both numbers, instead of being counted
+    as a power cut."""
+    server = RestartableServer(tmp_path / "data", "--wal-fsync", "always").start()
+    segment = lambda: sorted((tmp_path / "data" / "wal").glob("wal-*.log"))[-1]  # noqa: E731
+    rec = RolloutRecorder(target=server.address, session="s", worker_id="w", reconnect_timeout=30)
+    try:
+        sizes = []
+        for i in range(5):
+            rec.record(chunk(i))
+            rec.flush()
+            sizes.append(segment().stat().st_size)
+        server.kill()
+        with open(segment(), "r+b") as fh:
+            fh.truncate(sizes[2])  # chunks 4 and 5 gone
+        server.start()
+        rec.record(chunk(5))
+        with pytest.raises(InvalidChunkError) as refused:
+            rec.flush(timeout=30)
+        assert "acked_sequence" in str(refused.value)
+        assert "at most 3" in str(refused.value) and "got 5" in str(refused.value)
+    finally:
+        rec.close(timeout=5)
+        server.stop()
