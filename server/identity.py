@@ -5,7 +5,8 @@ A lease ties a worker id to the recorder instance that joined with it
 (``JoinRequest.instance_id``, a random id each RolloutRecorder makes once). It is held while
 one of that instance's Record streams is open, and for a grace period after its join or after
 its last stream ended, so that its own reconnect finds it again; another instance is refused
-(WORKER_IN_USE) meanwhile. Leave and expiry release it. Each stream opened takes the next
+(WORKER_IN_USE) meanwhile. A client that names no instance (an empty id) holds the worker id
+only while its stream is open: it has nothing to prove a reconnect is its own. Leave and expiry release it. Each stream opened takes the next
 epoch of the lease: only the newest stream writes (an older one of the same instance that
 the server has not seen end yet is refused), so a reconnect never races its old stream.
 
@@ -91,7 +92,11 @@ class Identities:
         lease = self._leases.get(worker_id)
         if lease is None or lease.instance == instance:
             return None
-        if lease.streams or now - lease.idle_since < self.grace:
+        if lease.streams:
+            return lease
+        # The grace is for the holder's own reconnect: one that named no instance cannot
+        # prove a reconnect is its own, so its id is free once its streams end.
+        if lease.instance and now - lease.idle_since < self.grace:
             return lease
         return None
 
