@@ -47,6 +47,9 @@ _KEEP_PROOF = 64 << 20
 
 # Trailing-metadata key whose value names the kind of a refusal (see recorder_server.errors).
 ERROR_KIND_KEY = "rr-error-kind"
+# Seconds after which a refusal may not hold any more (a worker id kept for its holder's
+# reconnect): the client may wait that long and ask again.
+RETRY_AFTER_KEY = "rr-retry-after-s"
 
 # Streamed files are cut into parts of this many bytes.
 PART_BYTES = 1 << 20

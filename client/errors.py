@@ -6,7 +6,7 @@ from typing import Any
 
 import grpc
 
-from ._wire import ERROR_KIND_KEY
+from ._wire import ERROR_KIND_KEY, RETRY_AFTER_KEY
 
 
 class RecorderError(Exception):
@@ -48,6 +48,10 @@ class UnknownSessionError(RecorderError, LookupError):
 class WorkerIdInUseError(RecorderError):
     """Another live recorder holds this worker id in the session (two trainers given one
     ``worker_id``). Give each recorder its own ``worker_id``, or close the other first."""
+
+    retry_after: float | None = None
+    """Seconds after which the id is free unless its holder comes back (it has no stream
+    open and is kept for its own reconnect); None while the holder's stream is open."""
 
 
 class SessionDroppedError(RecorderError, LookupError):
@@ -143,9 +147,18 @@ def from_status(
 def from_rpc_error(err: grpc.RpcError, target: str = "") -> RecorderError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    kind = ""
+    kind, retry_after = "", None
     if hasattr(err, "trailing_metadata"):
         for key, value in err.trailing_metadata() or ():
+            text = value if isinstance(value, str) else value.decode()
             if key == ERROR_KIND_KEY:
-                kind = value if isinstance(value, str) else value.decode()
-    return from_status(code, details or "", target, kind)
+                kind = text
+            elif key == RETRY_AFTER_KEY:
+                try:
+                    retry_after = float(text)
+                except ValueError:
+                    pass
+    error = from_status(code, details or "", target, kind)
+    if isinstance(error, WorkerIdInUseError):
+        error.retry_after = retry_after
+    return error

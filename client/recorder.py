@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
-from .errors import InvalidChunkError, InvalidNameError, RecorderError
+from .errors import InvalidChunkError, InvalidNameError, RecorderError, WorkerIdInUseError
 from .status import SessionStatus
 from .trajectory import Trajectory
 
@@ -174,7 +175,7 @@ class RolloutRecorder:
                 rpc_timeout=rpc_timeout,
                 connect_timeout=connect_timeout,
             )
-            self._sequence = self._join()
+            self._sequence = self._first_join(connect_timeout)
             self._sender = ChunkSender(
                 connection=self._connection,
                 join=self._join,
@@ -230,6 +231,19 @@ class RolloutRecorder:
         if sender is not None:  # a rejoin: the server's counters count up to last_sequence
             sender.take_counters(reply.status, reply.last_sequence)
         return int(reply.last_sequence)
+
+    def _first_join(self, timeout: float) -> int:
+        # A worker id kept for the reconnect of a holder with no stream open (one that
+        # crashed) is free within the server's retry_after: waited for up to connect_timeout.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._join()
+            except WorkerIdInUseError as exc:
+                wait = exc.retry_after
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise
+                time.sleep(wait + 0.05)
 
     def _check_open(self) -> None:
         if self._closed:

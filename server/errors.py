@@ -52,9 +52,11 @@ class ErrorKind(enum.Enum):
 class RequestError(Exception):
     """A refused request. The session it was made on is left as it was."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        # Seconds after which the refusal may not hold (sent to the client), or None.
+        self.retry_after = retry_after
 
     @property
     def message(self) -> str:

@@ -10,12 +10,15 @@ only while its stream is open: it has nothing to prove a reconnect is its own. L
 epoch of the lease: only the newest stream writes (an older one of the same instance that
 the server has not seen end yet is refused), so a reconnect never races its old stream.
 
-The instance id is never shown to another client: knowing it is what proves "its own".
+The instance id is never shown to another client: knowing it is what proves "its own". The
+server keeps only a digest of it, which checkpoints and the log carry, so that after a restart
+the holder's reconnect finds its lease again (for a grace period) and a stranger does not.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +39,11 @@ MAX_TOMBSTONES = 4096
 _shown = _wire.shown
 
 
+def proof(instance: str) -> str:
+    """What the server keeps of an instance id ("" for none)."""
+    return hashlib.sha256(instance.encode()).hexdigest()[:32] if instance else ""
+
+
 def _utc(unix: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
 
@@ -43,6 +51,7 @@ def _utc(unix: float) -> str:
 @dataclass
 class Lease:
     instance: str
+    """proof() of the holder's instance id."""
     since: float
     """Wall clock when this instance took the worker id."""
     idle_since: float
@@ -61,7 +70,7 @@ class Identities:
         self.grace = GRACE_S if grace is None else grace
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        # Every instance that joined: a drop refuses exactly these afterwards.
+        # proof() of every instance that joined: a drop refuses exactly these afterwards.
         self.instances: set[str] = set()
         # Workers that joined this server process: it knows every ack it sent them, so a
         # claim above what it holds has no cause it could name.
@@ -71,10 +80,12 @@ class Identities:
 
     # -- leases ----------------------------------------------------------
     def _refuse(self, worker_id: str, lease: Lease, now: float) -> RequestError:
+        retry_after = None
         if lease.streams:
             state = "with a Record stream open"
         else:
             idle = now - lease.idle_since
+            retry_after = max(0.0, self.grace - idle)
             state = (
                 f"without a stream for {idle:.1f} s (kept {self.grace - idle:.1f} s more for "
                 "its own reconnect)"
@@ -85,6 +96,7 @@ class Identities:
             f"recorder since {_utc(lease.since)}, {state}; expected a worker id no live "
             "recorder holds. Give each recorder its own worker_id (two trainers given one "
             "id would overwrite each other), or close the other recorder first",
+            retry_after=retry_after,
         )
 
     def _live_other(self, worker_id: str, instance: str, now: float) -> Lease | None:
@@ -102,7 +114,7 @@ class Identities:
 
     def check(self, worker_id: str, instance: str) -> None:
         """Raise WORKER_IN_USE when another instance holds the worker id."""
-        now = time.monotonic()
+        instance, now = proof(instance), time.monotonic()
         with self._lock:
             lease = self._live_other(worker_id, instance, now)
             if lease is not None:
@@ -110,7 +122,7 @@ class Identities:
 
     def take(self, worker_id: str, instance: str) -> None:
         """A join: the instance holds the worker id (again), its grace counted from now."""
-        now = time.monotonic()
+        instance, now = proof(instance), time.monotonic()
         with self._lock:
             lease = self._live_other(worker_id, instance, now)
             if lease is not None:
@@ -125,7 +137,7 @@ class Identities:
 
     def open(self, worker_id: str, instance: str, end: Callable[[RequestError], None]) -> int:
         """A Record stream of this instance opens; returns its epoch (the newest)."""
-        now = time.monotonic()
+        instance, now = proof(instance), time.monotonic()
         with self._lock:
             lease = self._live_other(worker_id, instance, now)
             if lease is not None:
@@ -164,6 +176,8 @@ class Identities:
         """Leave (``instance``: the leaving one; another instance's live lease stays, and
         refuses it) or expiry (None: released unless a stream is open)."""
         now = time.monotonic()
+        if instance is not None:
+            instance = proof(instance)
         with self._lock:
             lease = self._leases.get(worker_id)
             if lease is None:
@@ -172,6 +186,28 @@ class Identities:
                 if self._live_other(worker_id, instance, now) is not None:
                     raise self._refuse(worker_id, lease, now)
             if not lease.streams:
+                del self._leases[worker_id]
+
+    def holder(self, worker_id: str) -> str:
+        """proof() of the instance holding the worker id ("" for none named)."""
+        lease = self._leases.get(worker_id)
+        return "" if lease is None else lease.instance
+
+    def restore(self, worker_id: str, holder: object) -> None:
+        """The holder a checkpoint or the log recorded (after a restart): its reconnect
+        finds the lease for a grace period from now. Anything but a digest: none."""
+        with self._lock:
+            if isinstance(holder, str) and 0 < len(holder) <= 64:
+                self._leases[worker_id] = Lease(holder, time.time(), time.monotonic())
+                self.instances.add(holder)
+            else:
+                self._leases.pop(worker_id, None)
+
+    def clear(self) -> None:
+        """Forget every lease without an open stream (a loaded state names holders of
+        another run)."""
+        with self._lock:
+            for worker_id in [w for w, lease in self._leases.items() if not lease.streams]:
                 del self._leases[worker_id]
 
     def end_streams(self, error: RequestError) -> None:
@@ -254,6 +290,7 @@ class Tombstones:
         self._dropped: collections.OrderedDict[str, Tombstone] = collections.OrderedDict()
 
     def add(self, name: str, instances: set[str], when: float | None = None) -> None:
+        """``instances``: proof() of each recorder that joined the session."""
         with self._lock:
             old = self._dropped.pop(name, None)
             members = frozenset(instances) | (old.instances if old else frozenset())
@@ -271,7 +308,7 @@ class Tombstones:
         stone = self.get(name)
         if stone is None:
             return
-        if instance in stone.instances and (instance or acked > 0):
+        if proof(instance) in stone.instances and (instance or acked > 0):
             raise dropped_error(name, stone.dropped_unix)
 
 

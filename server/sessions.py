@@ -17,7 +17,7 @@ from recorder_client import _wire
 from .chunks import SessionConfig
 from .durability import records, snapshot
 from .errors import ErrorKind, RequestError
-from .identity import Tombstones, check_claim, dropped_error
+from .identity import Tombstones, check_claim, dropped_error, proof
 from .loss import LossCause
 from .session import Journal, Session, append, check_acked, check_session_name
 
@@ -103,6 +103,7 @@ class Sessions:
         when another instance holds the worker id (identity.py)."""
         name = check_session_name(name)
         check_acked(acked)
+        holder = proof(instance)
         with self._lock:
             if log:
                 self.tombstones.check(name, instance, acked)
@@ -122,7 +123,7 @@ class Sessions:
                 try:
                     session.check_join(worker_id, config)
                     if log and self.journal is not None:
-                        append(self.journal, records.join(name, worker_id, config, acked))
+                        append(self.journal, records.join(name, worker_id, config, acked, holder))
                 except BaseException:
                     session.close()
                     raise
@@ -131,10 +132,13 @@ class Sessions:
             else:
                 if log:  # another instance's live lease refuses the join here
                     session.identity.check(worker_id, instance)
-                if session.needs_log(worker_id, acked):
+                # A new holder is logged too: a restart gives the lease back to it alone.
+                if session.needs_log(worker_id, acked) or (
+                    log and holder != session.identity.holder(worker_id)
+                ):
                     session.check_join(worker_id, config)
                     if log and self.journal is not None:
-                        append(self.journal, records.join(name, worker_id, config, acked))
+                        append(self.journal, records.join(name, worker_id, config, acked, holder))
             _timeline, held = session.join(worker_id, config, acked, cause)
             if log:
                 session.identity.take(worker_id, instance)
@@ -172,8 +176,8 @@ class Sessions:
         one holds the id); None for an expiry."""
         session = self.get(name)
         with self._lock:
-            if log:
-                session.identity.release(worker_id, instance)
+            # A replayed leave releases the lease its join restored.
+            session.identity.release(worker_id, instance if log else None)
             if worker_id not in session.active:
                 return
             if log and self.journal is not None:
@@ -292,6 +296,7 @@ class Sessions:
             if record.kind == records.JOIN:
                 join = record.body
                 self.join(record.session, join.config, record.worker, join.acked, log=False)
+                self.get(record.session).identity.restore(record.worker, join.holder)
             elif record.kind == records.LEAVE:
                 self.leave(record.session, record.worker, expired=bool(record.body), log=False)
             elif record.kind == records.DROP:

@@ -6,8 +6,8 @@ Record layout (integers little-endian)::
     K dataset commit) | session length uint16
     | worker length uint16 | session (UTF-8) | worker (UTF-8) | payload
 
-Payloads: a join carries the session configuration and the client's acknowledged sequence as
-JSON; a dataset write its intent as JSON (file number, generation, rows per worker); a dataset
+Payloads: a join carries the session configuration, the client's acknowledged sequence and
+(when it named one) the digest of its instance id as JSON; a dataset write its intent as JSON (file number, generation, rows per worker); a dataset
 commit the file number as JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
 episode a uint32 header length, a JSON header (the arrays' keys, dtypes, shapes, codecs and
 sizes, plus the sequence or the episode's step, outcome, data and start reference) and the
@@ -57,6 +57,8 @@ class Record:
 class Join:
     config: SessionConfig
     acked: int = 0
+    holder: str = ""
+    """identity.proof() of the joining recorder's instance id ("": none named)."""
 
 
 def _prefix(kind: bytes, session: str, worker: str) -> bytes:
@@ -72,8 +74,12 @@ def _with_arrays(header: dict[str, Any], arrays: dict[str, EncodedArray]) -> lis
     return [_HEADER.pack(len(text)), text, *(a.data for a in arrays.values())]
 
 
-def join(session: str, worker: str, config: SessionConfig, acked: int = 0) -> list:
-    body = {"config": config.to_dict(), "acked": acked}
+def join(
+    session: str, worker: str, config: SessionConfig, acked: int = 0, holder: str = ""
+) -> list:
+    body: dict[str, Any] = {"config": config.to_dict(), "acked": acked}
+    if holder:
+        body["holder"] = holder
     return [_prefix(JOIN, session, worker), json.dumps(body).encode()]
 
 
@@ -146,7 +152,10 @@ def decode(data: bytes | memoryview) -> Record:
         data = json.loads(bytes(payload))
         if "config" not in data:  # a join written before it carried the acknowledged sequence
             data = {"config": data, "acked": 0}
-        body = Join(SessionConfig.from_dict(data["config"]), int(data["acked"]))
+        holder = data.get("holder", "")
+        if not isinstance(holder, str):
+            raise ValueError(f"log record: join holder {holder!r}")
+        body = Join(SessionConfig.from_dict(data["config"]), int(data["acked"]), holder)
     elif kind == LEAVE:
         body = bytes(payload).decode()
     elif kind == DATASET_WRITE:

@@ -138,6 +138,7 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
             "wire_bytes": tl.wire_bytes,
             "chunks_dropped": tl.chunks_dropped,
             "joined_unix": session.joined_at.get(worker_id, 0.0),
+            "holder": session.identity.holder(worker_id),  # its lease, after a restart
             "chunks": chunks,
             "table": [blobs.array(env), blobs.array(start), blobs.array(end)],
         }
@@ -455,6 +456,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         if isinstance(joined, bool) or not isinstance(joined, (int, float)):
             raise SnapshotError(f"state.workers.joined_unix: expected seconds, got {joined!r}")
         session.joined_at[worker_id] = float(joined)
+        session.identity.restore(worker_id, entry.get("holder"))
         n = entry["num_envs"]
         n = None if n is None else _count(n, "num_envs")
         saved = _list(entry["chunks"], f"{what}.chunks")

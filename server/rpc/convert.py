@@ -100,8 +100,10 @@ def loss_report(cause: LossCause | None, first: int, last: int) -> pb.LossReport
     return report
 
 
-def trailing(kind: str) -> tuple[tuple[str, str], ...]:
-    return ((_wire.ERROR_KIND_KEY, kind),)
+def trailing(kind: str, retry_after: float | None = None) -> tuple[tuple[str, str], ...]:
+    if retry_after is None:
+        return ((_wire.ERROR_KIND_KEY, kind),)
+    return ((_wire.ERROR_KIND_KEY, kind), (_wire.RETRY_AFTER_KEY, f"{retry_after:.3f}"))
 
 
 # -- requests ----------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         code, message, kind = convert.status_of(error)
         if not isinstance(error, RequestError):
             logger.error("RPC failed", exc_info=error)
-        context.set_trailing_metadata(convert.trailing(kind))
+        context.set_trailing_metadata(convert.trailing(kind, getattr(error, "retry_after", None)))
         await context.abort(code, message)
         raise AssertionError("unreachable: abort raises")
 
@@ -391,6 +391,8 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             # Every chunk within this server's limits before anything of the state is built.
             snapshot.check_limits(meta, blobs, self.limits)
             session = self.sessions.restore(meta, blobs, limit=True)
+            # Its holders were another run's recorders: the loading one joins next.
+            session.identity.clear()
         except (CheckpointError, ValueError) as exc:
             raise invalid(f"runtime state: {exc}") from None
         self._checkpoint_after_load()
