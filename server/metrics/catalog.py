@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .names import prometheus_name
+
 COUNTER = "counter"
 GAUGE = "gauge"
 HISTOGRAM = "histogram"
@@ -192,8 +194,6 @@ def spec_of(tag: str) -> MetricSpec | None:
 
 def markdown(namespace: str = "rollout_recorder") -> str:
     """The metrics table (docs/metrics.md)."""
-    from .tracker import prometheus_name
-
     lines = [
         "# Metrics",
         "",
