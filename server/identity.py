@@ -33,8 +33,26 @@ from .loss import LossCause, LossKind
 # client's reconnect backoff tops out at 2 s, so a live holder is back well within this.
 GRACE_S = 10.0
 
-# Dropped sessions remembered (the oldest forgotten beyond this many).
+# Dropped sessions remembered, and recorder instances remembered across all of them (the
+# oldest drops are forgotten beyond either).
 MAX_TOMBSTONES = 4096
+MAX_TOMBSTONE_MEMBERS = 1 << 18
+# Instances a session remembers besides its lease holders (the most recent joins).
+MAX_INSTANCES = 4096
+
+# What each cause of loss says, before its detail.
+_SAYS = {
+    LossKind.TORN_TAIL: "the write-ahead log ended in a torn record",
+    LossKind.CHECKPOINT_FALLBACK: "the newest checkpoint did not load and an older one was used",
+    LossKind.DROP: "the session was dropped",
+    LossKind.UNSYNCED_TAIL: "the server stopped before its write-ahead log synced them",
+}
+
+
+def describe(cause: LossCause) -> str:
+    """A loss cause for people."""
+    return f"{_SAYS[cause.kind]}: {cause.detail}" if cause.detail else _SAYS[cause.kind]
+
 
 _shown = _wire.shown
 
@@ -70,13 +88,26 @@ class Identities:
         self.grace = GRACE_S if grace is None else grace
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
-        # proof() of every instance that joined: a drop refuses exactly these afterwards.
-        self.instances: set[str] = set()
+        # proof() of the instances that joined lately (a drop refuses these and every lease
+        # holder afterwards), oldest first.
+        self._instances: collections.OrderedDict[str, None] = collections.OrderedDict()
         # Workers that joined this server process: it knows every ack it sent them, so a
         # claim above what it holds has no cause it could name.
         self.joined_here: set[str] = set()
-        # worker -> the cause of the loss its last join counted (for the join's reply).
-        self.last_loss: dict[str, LossCause | None] = {}
+        # worker -> the cause of the loss its last join counted, until its reply takes it.
+        self.last_loss: dict[str, LossCause] = {}
+
+    def _joined(self, instance: str) -> None:
+        # Call with the lock held.
+        self._instances[instance] = None
+        self._instances.move_to_end(instance)
+        while len(self._instances) > MAX_INSTANCES:
+            self._instances.popitem(last=False)
+
+    def members(self) -> set[str]:
+        """proof() of the recorders a drop must refuse: every holder, and recent joiners."""
+        with self._lock:
+            return set(self._instances) | {lease.instance for lease in self._leases.values()}
 
     # -- leases ----------------------------------------------------------
     def _refuse(self, worker_id: str, lease: Lease, now: float) -> RequestError:
@@ -132,7 +163,7 @@ class Identities:
                 self._leases[worker_id] = Lease(instance, time.time(), now)
             elif not lease.streams:
                 lease.idle_since = now
-            self.instances.add(instance)
+            self._joined(instance)
             self.joined_here.add(worker_id)
 
     def open(self, worker_id: str, instance: str, end: Callable[[RequestError], None]) -> int:
@@ -145,7 +176,7 @@ class Identities:
             lease = self._leases.get(worker_id)
             if lease is None or lease.instance != instance:
                 lease = self._leases[worker_id] = Lease(instance, time.time(), now)
-                self.instances.add(instance)
+                self._joined(instance)
             lease.epoch += 1
             lease.streams[lease.epoch] = end
             return lease.epoch
@@ -199,7 +230,7 @@ class Identities:
         with self._lock:
             if isinstance(holder, str) and 0 < len(holder) <= 64:
                 self._leases[worker_id] = Lease(holder, time.time(), time.monotonic())
-                self.instances.add(holder)
+                self._joined(holder)
             else:
                 self._leases.pop(worker_id, None)
 
@@ -255,19 +286,16 @@ def start_cause(log: bool, fsync: str, window_s: float) -> LossCause | None:
     "batch" or "never", or without a log, a power cut loses records a previous process
     acknowledged, and the log cannot say how many."""
     if not log:
-        detail = (
-            "the server runs without a write-ahead log (--no-wal): a restart keeps nothing "
-            "acknowledged before it"
-        )
+        detail = "the server runs without a write-ahead log (--no-wal), and a restart keeps none"
     elif fsync == "batch":
         detail = (
-            "the server stopped before its write-ahead log synced them (--wal-fsync batch "
-            f"syncs every {window_s * 1000:.0f} ms; a power cut loses what came since)"
+            f"--wal-fsync batch syncs every {window_s * 1000:.0f} ms, and a power cut loses "
+            "what came since"
         )
     elif fsync == "never":
         detail = (
-            "the server stopped before its write-ahead log synced them (--wal-fsync never "
-            "leaves syncing to the OS; a power cut loses what it had not written)"
+            "--wal-fsync never leaves syncing to the OS, and a power cut loses what it had not "
+            "written"
         )
     else:
         return None
@@ -284,8 +312,10 @@ class Tombstones:
     """Dropped sessions by name, with the instances that had joined them: those get
     SESSION_DROPPED from then on, even after a new recorder created the session again."""
 
-    def __init__(self, limit: int = MAX_TOMBSTONES) -> None:
+    def __init__(self, limit: int = MAX_TOMBSTONES, members: int = MAX_TOMBSTONE_MEMBERS) -> None:
         self._limit = limit
+        self._members_limit = members
+        self._members = 0
         self._lock = threading.Lock()
         self._dropped: collections.OrderedDict[str, Tombstone] = collections.OrderedDict()
 
@@ -293,10 +323,16 @@ class Tombstones:
         """``instances``: proof() of each recorder that joined the session."""
         with self._lock:
             old = self._dropped.pop(name, None)
+            if old is not None:
+                self._members -= len(old.instances)
             members = frozenset(instances) | (old.instances if old else frozenset())
             self._dropped[name] = Tombstone(time.time() if when is None else when, members)
-            while len(self._dropped) > self._limit:
-                self._dropped.popitem(last=False)
+            self._members += len(members)
+            while len(self._dropped) > 1 and (
+                len(self._dropped) > self._limit or self._members > self._members_limit
+            ):
+                _, gone = self._dropped.popitem(last=False)
+                self._members -= len(gone.instances)
 
     def get(self, name: str) -> Tombstone | None:
         with self._lock:

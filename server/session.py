@@ -35,7 +35,7 @@ from .durability import records
 from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
 from .errors import ErrorKind, RequestError, invalid
-from .identity import Identities, dropped_error
+from .identity import Identities, describe, dropped_error
 from .ingest import ChunkEpisodes, EpisodeFeeder
 from .ingest.verify import VERIFIER
 from .loss import LossCause
@@ -284,7 +284,7 @@ class Session:
                     worker_id,
                     held + 1,
                     acked,
-                    cause.detail if cause is not None else "as the write-ahead log recorded",
+                    describe(cause) if cause is not None else "as the write-ahead log recorded",
                     acked + 1,
                 )
         return timeline, held

@@ -142,7 +142,8 @@ class Sessions:
             _timeline, held = session.join(worker_id, config, acked, cause)
             if log:
                 session.identity.take(worker_id, instance)
-                session.identity.last_loss[worker_id] = cause
+                if cause is not None:
+                    session.identity.last_loss[worker_id] = cause
             return session, held
 
     def _check_claim(
@@ -214,7 +215,7 @@ class Sessions:
                 del self._sessions[name]
             if log:
                 # Its recorders are refused from now on, and told at once on an open stream.
-                self.tombstones.add(name, session.identity.instances, session.dropped_at)
+                self.tombstones.add(name, session.identity.members(), session.dropped_at)
         if log:
             session.identity.end_streams(dropped_error(name, session.dropped_at))
         session.close()

@@ -309,3 +309,47 @@ def test_after_a_restart_the_worker_id_waits_for_its_holder_alone(tmp_path, stop
     finally:
         rec.close(timeout=5)
         server.stop()
+
+
+def test_a_join_reports_its_loss_with_the_cause_the_fsync_policy_allows(target):
+    """Under --wal-fsync batch (the default) a worker's first join in a server process may
+    claim chunks the last stop lost: the reply names the cause and the range. Once it has
+    joined this process, every ack it gets is held, so a higher claim is refused."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+
+        def join(acked: int) -> pb.JoinReply:
+            request = pb.JoinRequest(
+                session="cause",
+                config=pb.SessionConfig(),
+                worker_id="w",
+                acked_sequence=acked,
+                instance_id="the-recorder",
+            )
+            return stub.Join(request, timeout=10)
+
+        reply = join(5)
+        assert reply.last_sequence == 0 and reply.HasField("loss")
+        loss = reply.loss
+        assert loss.cause == pb.LossReport.CAUSE_UNSYNCED_TAIL
+        assert (loss.first_sequence, loss.last_sequence) == (1, 5)
+        assert "--wal-fsync batch" in loss.detail
+        assert not join(5).HasField("loss")  # nothing more is lost
+        with pytest.raises(grpc.RpcError) as refused:
+            join(7)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 5" in refused.value.details() and "got 7" in refused.value.details()
+
+
+def test_dropped_sessions_are_remembered_within_bounds():
+    from recorder_server.identity import Tombstones, proof
+
+    stones = Tombstones(limit=3, members=10)
+    for i in range(5):
+        stones.add(f"s{i}", {proof(f"r{i}-{k}") for k in range(4)})
+    # Two of 4 members fit in 10 at a time; the newest are kept.
+    assert [stones.get(f"s{i}") is not None for i in range(5)] == [False] * 3 + [True] * 2
+    with pytest.raises(Exception, match="'s4' was dropped at 20"):
+        stones.check("s4", "r4-0")
+    stones.check("s4", "someone-new")  # a new recorder may create it again
+    stones.check("s0", "r0-0")  # forgotten

@@ -125,7 +125,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             packed_codecs=True,
         )
         if acked > held:
-            cause = session.identity.last_loss.get(request.worker_id)
+            cause = session.identity.last_loss.pop(request.worker_id, None)
             reply.loss.CopyFrom(convert.loss_report(cause, held + 1, acked))
         return session, reply
 
