@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from chunks import STATE_FIELDS
+from harness import MB, Context, Row, Skipped, latency_summary
 
 from recorder_server.workload import GRID, NUM_ACTIONS, NUM_ITEMS
-
-if TYPE_CHECKING:
-    from scenarios import Context, Row
 
 WARMUP_CALLS = 3  # record() calls before each phase's clock: connection, first-chunk schema
 
@@ -85,8 +83,6 @@ def make_rollout(
 
 
 def run_latency_jax(ctx: Context, rep: int = 0) -> dict[str, Any]:
-    from scenarios import MB, Skipped, latency_summary
-
     try:
         import jax
     except ImportError as exc:
@@ -191,8 +187,6 @@ def run_latency_jax(ctx: Context, rep: int = 0) -> dict[str, Any]:
 
 
 def rows_latency_jax(results: dict[str, dict[str, Any]]) -> list[Row]:
-    from scenarios import MB, Row
-
     r = results.get("latency_jax")
     if not r:
         return []

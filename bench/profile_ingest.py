@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import Context, aggregate, session_status, worker_spec
 from procs import Child, run_workers
-from scenarios import Context, aggregate, session_status, worker_spec
 
 RATE = 200  # samples per second
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import MB, Row
 from procs import REPO
-from scenarios import MB, Row
 
 # -- machine ----------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from chunks import compression_check  # noqa: E402
+from harness import Context, Params, Row, Scenario, Skipped, median_run  # noqa: E402
 from procs import BENCH_DIR, extract_code  # noqa: E402
 from report import (  # noqa: E402
     cpu_table,
@@ -48,16 +49,7 @@ from report import (  # noqa: E402
     rows_table,
     targets_table,
 )
-from scenarios import (  # noqa: E402
-    OPTIONAL_SCENARIOS,
-    SCENARIOS,
-    Context,
-    Params,
-    Row,
-    Scenario,
-    Skipped,
-    median_run,
-)
+from scenarios import OPTIONAL_SCENARIOS, SCENARIOS  # noqa: E402
 
 RESULTS_DIR = BENCH_DIR / "results"
 PROFILE_JSON = RESULTS_DIR / "profile-latest.json"

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Context, Params, worker_spec  # noqa: E402
 from procs import RecorderServer, run_workers  # noqa: E402
-from scenarios import Context, Params, worker_spec  # noqa: E402
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
