@@ -29,6 +29,10 @@ from recorder_client import _wire
 from .errors import ErrorKind, RequestError, invalid
 from .loss import LossCause, LossKind
 
+# Highest chunk sequence a worker may use or claim acknowledged: 2**40 chunks (35 years at
+# 1,000 a second), so that counts summed over any number of workers stay in 64 bits.
+MAX_SEQUENCE = 1 << 40
+
 # How long a lease outlives the join or stream that last held it, for its own reconnect: the
 # client's reconnect backoff tops out at 2 s, so a live holder is back well within this.
 GRACE_S = 10.0
@@ -64,6 +68,26 @@ def proof(instance: str) -> str:
 
 def _utc(unix: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix))
+
+
+def check_session_name(name: str) -> str:
+    try:
+        return _wire.check_session_name(name)
+    except ValueError as exc:
+        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
+
+
+def check_worker_id(worker_id: str) -> str:
+    try:
+        return _wire.check_worker_id(worker_id)
+    except ValueError as exc:
+        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
+
+
+def check_acked(acked: int) -> int:
+    if not 0 <= acked <= MAX_SEQUENCE:
+        raise invalid(f"acked_sequence: expected 0..{MAX_SEQUENCE}, got {acked}")
+    return acked
 
 
 @dataclass

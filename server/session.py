@@ -35,17 +35,21 @@ from .durability import records
 from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
 from .errors import ErrorKind, RequestError, invalid
-from .identity import Identities, describe, dropped_error
+from .identity import (  # noqa: F401 - names and the sequence range, used from here too
+    MAX_SEQUENCE,
+    Identities,
+    check_acked,
+    check_session_name,
+    check_worker_id,
+    describe,
+    dropped_error,
+)
 from .ingest import ChunkEpisodes, EpisodeFeeder
 from .ingest.verify import VERIFIER
 from .loss import LossCause
 from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
 
 logger = logging.getLogger(__name__)
-
-# Highest chunk sequence a worker may use or claim acknowledged: 2**40 chunks (35 years at
-# 1,000 a second), so that counts summed over any number of workers stay in 64 bits.
-MAX_SEQUENCE = 1 << 40
 
 # Workers forgotten after leaving or expiring whose last sequence a session remembers, so
 # that one joining again resumes where it was; the oldest go first beyond this many.
@@ -91,26 +95,6 @@ class Applied(enum.Enum):
 
 
 _shown = _wire.shown
-
-
-def check_session_name(name: str) -> str:
-    try:
-        return _wire.check_session_name(name)
-    except ValueError as exc:
-        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
-
-
-def check_worker_id(worker_id: str) -> str:
-    try:
-        return _wire.check_worker_id(worker_id)
-    except ValueError as exc:
-        raise RequestError(ErrorKind.INVALID_NAME, str(exc)) from None
-
-
-def check_acked(acked: int) -> int:
-    if not 0 <= acked <= MAX_SEQUENCE:
-        raise invalid(f"acked_sequence: expected 0..{MAX_SEQUENCE}, got {acked}")
-    return acked
 
 
 class SessionMetrics:
