@@ -1,0 +1,127 @@
+"""The crash-safety guarantees, one row per fault: the single source that
+tests/test_fault_matrix.py checks against a real server and that the crash-safety table in
+docs/crash-safety.md must equal (test_the_crash_safety_table_matches_the_fault_matrix).
+
+Each row says what the trainer sees (`trainer`: an exception class, a gRPC status code, or
+"nothing"; `told`: a part of its message), and what the server's log says (`log`: a part of
+its stderr, at --log-level INFO). What finish(), the dataset and the store hold is stated in `guarantee` and
+checked against the truth the test computes from the chunks it sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    fault: str
+    guarantee: str
+    trainer: str
+    told: str
+    log: str | None
+    """None: the server logs no warning or error (the refused client is told)."""
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        key="kill-9",
+        fault="The server is killed (`kill -9`) while a worker records",
+        guarantee=(
+            "Nothing acknowledged is lost: the worker reconnects and resends what was not "
+            "acknowledged; `finish()`, the dataset and the store hold every chunk once"
+        ),
+        trainer="nothing",
+        told="",
+        log="replayed",
+    ),
+    Row(
+        key="torn-unacked-tail",
+        fault="The log ends in a torn record that was never acknowledged (a kill mid-append)",
+        guarantee=(
+            "The torn bytes are dropped and reported at start; every acknowledged chunk is kept"
+        ),
+        trainer="nothing",
+        told="",
+        log="dropped torn tail of 10 bytes",
+    ),
+    Row(
+        key="corrupt-newest-checkpoint",
+        fault="The newest checkpoint is corrupt (one flipped byte), then `kill -9`",
+        guarantee=(
+            "Recovery skips it, loads the older checkpoint and replays the log behind it: "
+            "nothing is lost"
+        ),
+        trainer="nothing",
+        told="",
+        log="skipping unusable checkpoint",
+    ),
+    Row(
+        key="zstd-bomb",
+        fault="A zstd bomb: a chunk of a few KiB whose header declares a 1 GiB array",
+        guarantee=(
+            "Refused from its header before anything is decompressed (INVALID_ARGUMENT "
+            "naming the field); the session and its other workers are untouched"
+        ),
+        trainer="INVALID_ARGUMENT",
+        told="chunk.action.raw_size",
+        log="of 'bomber' refused: chunk.action.raw_size",
+    ),
+    Row(
+        key="lying-size",
+        fault="A chunk whose zstd frame holds fewer bytes than its header declares",
+        guarantee=(
+            "Refused before its ack (INVALID_ARGUMENT naming the field); the session and "
+            "its other workers are untouched"
+        ),
+        trainer="INVALID_ARGUMENT",
+        told="chunk.action.data",
+        log="of 'liar' refused: chunk.action.data",
+    ),
+    Row(
+        key="worker-id-in-use",
+        fault="A second recorder opens with the `worker_id` of a live one",
+        guarantee=(
+            "The second raises `WorkerIdInUseError` before it records; every chunk the first "
+            "acknowledged is stored"
+        ),
+        trainer="WorkerIdInUseError",
+        told="own worker_id",
+        log=None,
+    ),
+    Row(
+        key="overclaiming-join",
+        fault="A Join claims an `acked_sequence` beyond anything the server acknowledged",
+        guarantee=(
+            "Refused (INVALID_ARGUMENT naming both numbers); the live worker's chunks are all "
+            "stored and nothing is counted lost"
+        ),
+        trainer="INVALID_ARGUMENT",
+        told="acked_sequence",
+        log=None,
+    ),
+    Row(
+        key="drop-while-recording",
+        fault="The session is dropped while a worker records",
+        guarantee=(
+            "The worker gets `SessionDroppedError` on its next call and does not re-create "
+            "the session; episodes it finished before the drop are in the dataset; a new "
+            "recorder starts the session empty"
+        ),
+        trainer="SessionDroppedError",
+        told="dropped at",
+        log="session 'drop-while-recording' dropped",
+    ),
+)
+
+
+def markdown_table(rows: tuple[Row, ...] = ROWS) -> str:
+    """The crash-safety table as docs/crash-safety.md holds it."""
+    lines = ["| Fault | Guarantee |", "| --- | --- |"]
+    lines += [f"| {row.fault} | {row.guarantee} |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
