@@ -358,6 +358,26 @@ class Tombstones:
                 _, gone = self._dropped.popitem(last=False)
                 self._members -= len(gone.instances)
 
+    def entries(self) -> list[list]:
+        """Every tombstone as JSON-ready ``[name, dropped_unix, [proofs]]``, oldest first
+        (for a checkpoint: a restart keeps refusing the dropped sessions' recorders)."""
+        with self._lock:
+            return [[n, t.dropped_unix, sorted(t.instances)] for n, t in self._dropped.items()]
+
+    def load(self, entries: object) -> None:
+        """Add what entries() gave; anything malformed is skipped."""
+        for entry in entries if isinstance(entries, list) else ():
+            if not (isinstance(entry, list) and len(entry) == 3):
+                continue
+            name, when, members = entry
+            if (
+                isinstance(name, str)
+                and isinstance(when, (int, float))
+                and isinstance(members, list)
+                and all(isinstance(m, str) for m in members)
+            ):
+                self.add(name, set(members), float(when))
+
     def get(self, name: str) -> Tombstone | None:
         with self._lock:
             return self._dropped.get(name)

@@ -353,3 +353,20 @@ def test_dropped_sessions_are_remembered_within_bounds():
         stones.check("s4", "r4-0")
     stones.check("s4", "someone-new")  # a new recorder may create it again
     stones.check("s0", "r0-0")  # forgotten
+
+
+def test_tombstones_survive_a_round_trip_through_their_entries():
+    """What a checkpoint would keep of the dropped sessions refuses the same recorders."""
+    import json
+
+    from recorder_server.identity import Tombstones, proof
+
+    stones = Tombstones()
+    stones.add("a", {proof("r1")}, 1000.0)
+    stones.add("b", {proof("r2"), proof("r3")}, 2000.0)
+    again = Tombstones()
+    again.load(json.loads(json.dumps(stones.entries())) + [["bad", "x", []], 7])
+    assert again.entries() == stones.entries()
+    with pytest.raises(Exception, match="'b' was dropped at 1970-01-01 00:33:20 UTC"):
+        again.check("b", "r3")
+    again.check("a", "r2")
