@@ -4,13 +4,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test browser lint protos bench soak clean
+.PHONY: demo test docs browser lint protos bench soak clean
 
 $(STAMP): pyproject.toml
+	@echo "== set-up: a virtualenv in $(VENV), then pip installs this project with its server,"
+	@echo "   dev (test) and docs extras from PyPI: about 2 GB installed (ray, jax, minari, ...)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[server,dev]'
-	# The in-process reference recorder, without its jax/matplotlib stack.
+	$(PY) -m pip install --quiet -e '.[server,dev,docs]'
+	@echo "== pip install --no-deps factoriax==0.1.0 (from PyPI): the in-process recorder the"
+	@echo "   equivalence tests compare against, without its jax/matplotlib stack"
 	$(PY) -m pip install --quiet --no-deps factoriax==0.1.0
 	touch $(STAMP)
 
@@ -20,10 +23,16 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(PY) scripts/gen_protos.py --check
 	$(PY) -m ruff check .
+	$(MAKE) --no-print-directory docs
 	# The store's compiled loops: built once (about half a minute), then found in numba's cache,
 	# before any test server needs them (the image build does the same).
 	$(PY) -m recorder_server.store
 	$(PY) -m pytest
+
+# The docs site (mkdocs.yml) into site/: --strict fails on a broken link or a missing page.
+# Its home, API and command-line references are generated from README.md, __all__ and argparse.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -34,6 +43,8 @@ lint: $(STAMP)
 browser:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || \
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    echo "== apt-get install chromium chromium-driver (as root, a few hundred MB): the dashboard's" && \
+	    echo "   browser test drives a headless Chromium; without it that test skips" && \
 	    apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	  echo "chromium is not installed: the dashboard's browser test will skip"
 
