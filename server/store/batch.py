@@ -19,15 +19,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from . import kernels
 from .cells import key_bytes
-
-if TYPE_CHECKING:
-    from .sources import EpisodeWindow
 
 # Dense bincount-based grouping is used while the number of bins is at most
 # max(_DENSE_FACTOR * steps, _DENSE_MIN); beyond that, np.unique (a sort) is cheaper.
@@ -257,25 +254,34 @@ def _batch_cells(
     )
 
 
-def group_window(window: EpisodeWindow, powers: np.ndarray) -> Grouping | None:
+def group_window(
+    ring: np.ndarray,
+    reward_ring: np.ndarray,
+    env: np.ndarray,
+    start: np.ndarray,
+    lengths: np.ndarray,
+    offsets: np.ndarray,
+    powers: np.ndarray,
+) -> Grouping | None:
     """:func:`group_columns` (with every utility's discounted sums for the (U, L) ``powers``)
-    for episodes read in place from a window, in one compiled pass; None when the keys' code
-    space is too wide for a dense table (group the copied-out steps then)."""
-    lengths, offsets = window.lengths, window.offsets
+    for episodes read in place from rings (a :class:`sources.EpisodeWindow`'s fields: episode
+    i is environment ``env[i]``'s steps from ``start[i]``, time t at ring column
+    ``t % capacity``), in one compiled pass; None when the keys' code space is too wide for a
+    dense table (group the copied-out steps then)."""
     num_steps = int(offsets[-1])
     if num_steps == 0:
         return Grouping(None, np.zeros(lengths.shape[0], dtype=np.float64), -1)
-    ring, capacity = window.key_ring, window.capacity
-    lows, highs = kernels.window_bounds(ring, window.env, window.start, lengths, capacity)
+    capacity = int(ring.shape[2])
+    lows, highs = kernels.window_bounds(ring, env, start, lengths, capacity)
     ranges, total, strides = _code_space(lows, highs)
     if total > _dense_limit(num_steps):
         return None
     *pairs, counts, returns, bad, sums = kernels.window_pairs(
         ring,
-        window.reward_ring,
+        reward_ring,
         capacity,
-        window.env,
-        window.start,
+        env,
+        start,
         offsets,
         lows,
         np.array(strides, dtype=np.int64),

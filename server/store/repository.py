@@ -22,13 +22,12 @@ import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 import zstandard
 
 from . import codec
-from .sources import EpisodeArrays
+from .sources import DeferredEpisode, EpisodeArrays
 
 _STATE_PREFIX = "state/"
 
@@ -73,18 +72,6 @@ def episode_bound(episode: EpisodeArrays) -> int:
         for k, a in arrays.items()
     ]
     return blob_bound(fields, episode.length)
-
-
-class DeferredEpisode(Protocol):
-    """A stored trajectory not yet encoded (see the module docstring)."""
-
-    length: int
-    bound: int  # an upper bound of its blob's size
-    group: Any  # sources of one group share the chunks they read (sorted by `first`)
-    first: int
-
-    def fetch(self, cache: dict) -> EpisodeArrays:
-        """The episode's arrays; ``cache`` is shared by the fetches of one encoding pass."""
 
 
 @dataclass

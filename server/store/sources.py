@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,9 +21,6 @@ from recorder_client.capture_types import CellField
 from . import kernels
 from .batch import Grouping, group_columns, group_window
 from .cells import batch_cell_columns, field_column
-
-if TYPE_CHECKING:
-    from .repository import DeferredEpisode
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +94,19 @@ class EpisodeArrays:
                 f"trajectory: expected EpisodeArrays or actions/rewards/states, got {type(value)}"
             )
         return cls(actions=actions, rewards=rewards, states=dict(get("states", None) or {}))
+
+
+class DeferredEpisode(Protocol):
+    """An episode the repository stores before encoding it: it reads the episode's arrays
+    only when first needed (see the repository module's docstring)."""
+
+    length: int
+    bound: int  # an upper bound of its blob's size
+    group: Any  # sources of one group share the chunks they read (sorted by `first`)
+    first: int
+
+    def fetch(self, cache: dict) -> EpisodeArrays:
+        """The episode's arrays; ``cache`` is shared by the fetches of one encoding pass."""
 
 
 @runtime_checkable
@@ -350,7 +360,7 @@ class EpisodeWindow:
     rings): environment ``env[i]``'s steps ``start[i]..start[i]+lengths[i]-1``, time t at
     column ``t % capacity`` of ``key_ring`` (F, N, capacity) ints (the cell-key columns, as
     :func:`cells.field_column` gives them) and ``reward_ring`` (N, capacity) floats.
-    ``defer(i)`` is episode i's deferred source (a :class:`repository.DeferredEpisode`): the
+    ``defer(i)`` is episode i's deferred source (a :class:`DeferredEpisode`): the
     episodes the repository keeps are encoded only when first needed. Recording a window
     equals recording :meth:`as_columns`, without copying the steps out first."""
 
@@ -403,7 +413,10 @@ class EpisodeWindow:
                 f"key_ring: expected {len(fields)} rows (one per cell field), got "
                 f"{self.key_ring.shape[0]}"
             )
-        grouped = group_window(self, powers(max(int(self.lengths.max(initial=0)), 1)))
+        table = powers(max(int(self.lengths.max(initial=0)), 1))
+        grouped = group_window(
+            self.key_ring, self.reward_ring, self.env, self.start, self.lengths, self.offsets, table
+        )
         return self.as_columns().group(fields, powers) if grouped is None else grouped
 
     def episode(self, i: int) -> EpisodeArrays:
