@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 from chunks import FRAME_SIZE
+from moto_s3 import S3Server
 from procs import (
     BENCH_DIR,
     DashboardServer,
     RecorderServer,
-    S3Server,
     extract_code,
 )
 
@@ -89,7 +89,7 @@ class Context:
     def s3(self) -> S3Server:
         """The local S3 server (moto), started once per run."""
         if self._s3 is None:
-            self._s3 = S3Server(self.tmp / "moto.log")
+            self._s3 = S3Server(log_path=self.tmp / "moto.log", niceness=19, access_key="bench")
         return self._s3
 
     def previous_core(self) -> Path:

@@ -92,7 +92,7 @@ def ingest_scenario(
             if dataset == "s3":
                 s3 = ctx.s3()
                 env.update(s3.environment)
-                uri = f"{s3.bucket(f'{name}-{rep}'.replace('_', '-'))}/episodes"
+                uri = f"{s3.make_bucket(f'{name}-{rep}'.replace('_', '-'))}/episodes"
             else:
                 uri = "{tmp}/dataset"
             metrics_port = free_port()

@@ -19,6 +19,12 @@ from recorder_server.chunks import Chunk, encoded_array
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
+# The moto S3 launcher is shared with the bench (bench/moto_s3.py imports only the standard
+# library). Appended, so that nothing under bench/ shadows a test module or a package.
+if str(TESTS.parent / "bench") not in sys.path:
+    sys.path.append(str(TESTS.parent / "bench"))
+
+from moto_s3 import S3Server  # noqa: E402
 
 
 @pytest.fixture
@@ -207,59 +213,11 @@ class RestartableServer:
             return ""
 
 
-class S3Server:
-    """moto in server mode on 127.0.0.1, as its own process: an S3-compatible endpoint.
-    `environment` holds the standard AWS variables that point clients at it."""
-
-    def __init__(self) -> None:
-        import urllib.request
-
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.environment = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": self.endpoint,
-        }
-
-        def up() -> bool:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).close()
-                return True
-            except OSError:
-                return False
-
-        if not wait_for(up, timeout=30):
-            self.process.kill()
-            raise RuntimeError(f"moto server did not start on {self.endpoint}")
-
-    def make_bucket(self, name: str) -> str:
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1").create_bucket(
-            Bucket=name
-        )
-        return f"s3://{name}"
-
-    def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
 @pytest.fixture(scope="session")
 def s3() -> Iterator[S3Server]:
     """A real S3-compatible server for the test run, the AWS variables set in this process
     (and so in the servers it starts); one per run, as filesystem clients are cached."""
-    server = S3Server()
+    server = S3Server()  # nothing written: its output is discarded
     saved = {k: os.environ.get(k) for k in server.environment}
     os.environ.update(server.environment)
     try:
@@ -270,4 +228,4 @@ def s3() -> Iterator[S3Server]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        server.close()
+        server.stop()
