@@ -1,17 +1,21 @@
 """`rollout-recorder demo`: a server, worker processes on the synthetic env, a table.
 
 Each worker is a separate process recording into one session, exactly as
-parallel trainers would; the demo then calls finish() and prints what
-arrived.
+parallel trainers would; the demo then calls finish(), prints what arrived,
+and says what to try next. The server writes the run's episodes as a Parquet
+dataset (under demo-data/ by default), which the last lines query.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from .common import Credentials, add_flags, fail
 
@@ -41,26 +45,47 @@ def run_worker(args: argparse.Namespace) -> int:
                 rollout, states = env.collect(args.length)
                 recorder.record(rollout, states)
             recorder.flush()
-            stats = recorder.stats
+            stats, worker_id = recorder.stats, recorder.worker_id
     except (RecorderError, ValueError) as exc:  # unreachable, refused, unusable credentials
         return fail("demo-worker", str(exc))
     # One write per line: the demo's workers share its stdout.
     sys.stdout.write(
-        f"worker {args.worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
+        f"worker {worker_id}: {args.chunks} chunks, {stats.raw_bytes} raw bytes, "
         f"{stats.wire_bytes} wire bytes, {time.perf_counter() - start:.2f}s\n"
     )
     sys.stdout.flush()
     return 0
 
 
+def _dataset_dir(path: str) -> Path | None:
+    """The demo's dataset directory, emptied of an earlier demo's dataset; None when the
+    path holds something else (the demo never deletes what it did not write)."""
+    directory = Path(path)
+    if directory.exists():
+        if not (directory / "_dataset.json").is_file() and any(directory.iterdir()):
+            return None
+        shutil.rmtree(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
 def run_demo(args: argparse.Namespace) -> int:
     from recorder_client import RecorderUnavailableError, RolloutRecorder
     from recorder_client._launch import ServerProcess
 
+    dataset = _dataset_dir(args.dataset_dir)
+    if dataset is None:
+        print(
+            f"demo: --dataset-dir: expected a new directory or an earlier demo's dataset, "
+            f"got {args.dataset_dir!r}, which holds other files",
+            file=sys.stderr,
+        )
+        return 2
     with tempfile.TemporaryDirectory(prefix="rollout-recorder-demo-") as tmp:
         try:
             server = ServerProcess(
-                ["--listen", "127.0.0.1:0", "--data-dir", tmp], exit_with_stdin=True
+                ["--listen", "127.0.0.1:0", "--data-dir", tmp, "--dataset-uri", str(dataset)],
+                exit_with_stdin=True,
             )
         except RecorderUnavailableError as exc:
             print(f"demo: {exc}", file=sys.stderr)
@@ -140,7 +165,47 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"|-{'-' * width}-|------")
     for key, value in rows:
         print(f"| {key:<{width}} | {value}")
+    print(next_steps(dataset))
     return 0
+
+
+def _shown(path: str) -> str:
+    """A path as short as the user can type it from here."""
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else path
+
+
+def next_steps(dataset: Path) -> str:
+    """What to try after the demo: the dashboard, a query over its dataset, the examples."""
+    python = _shown(sys.executable)
+    script = Path(sys.executable).parent / "rollout-recorder"
+    command = _shown(str(script)) if script.is_file() else f"{python} -m recorder_server"
+    glob = f"{_shown(str(dataset))}/*/*.parquet"
+    query = (
+        "SELECT episode_id, count(*) AS length, sum(reward) AS return "
+        f"FROM '{glob}' GROUP BY episode_id ORDER BY return DESC LIMIT 5"
+    )
+    examples = Path("examples")
+    lines = [
+        "",
+        "What to try next:",
+        "  - Watch a run on the dashboard: start a server with it,",
+        f"      {command} serve --data-dir demo-data/server --http-listen 127.0.0.1:8080",
+        "    open http://127.0.0.1:8080, and record into it from another shell:",
+        f"      {command} demo-worker --target 127.0.0.1:50051 --session live --chunks 2000",
+        "  - Query this run's episodes (the Parquet dataset the server wrote), e.g. the best",
+        "    returns, with DuckDB (pip install duckdb):",
+        f'      {python} -c "import duckdb; duckdb.sql(\\"{query}\\").show()"',
+    ]
+    if (examples / "gymnasium_cartpole.py").is_file():
+        lines += [
+            "  - Record your own loop: the README's examples, as scripts:",
+            f"      {python} examples/gymnasium_cartpole.py   (Gymnasium, CartPole)",
+            f"      {python} examples/jax_rollout.py          (a jitted JAX rollout)",
+        ]
+    else:
+        lines += ["  - Record your own loop: the examples in the README."]
+    return "\n".join(lines)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -150,6 +215,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--length", type=int, default=128)
     demo.add_argument("--envs", type=int, default=64)
     demo.add_argument("--done-prob", type=float, default=1 / 200)
+    demo.add_argument(
+        "--dataset-dir",
+        default="demo-data/dataset",
+        metavar="DIR",
+        help="where the server writes the run's episodes as Parquet (an earlier demo's dataset "
+        "there is replaced); default demo-data/dataset",
+    )
     demo.set_defaults(func=run_demo)
 
     worker = sub.add_parser("demo-worker", help="one synthetic trainer (used by demo and compose)")
