@@ -166,12 +166,14 @@ class ChunkSender:
         reconnect_timeout: float,
         packed: Callable[[], bool] = lambda: False,
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
+        on_refused: Callable[[PendingChunk], None] = lambda item: None,
         raise_data_loss: bool = True,
         max_episodes: int | None = None,
         status_call: Callable[[Callable[[Any], None]], None] | None = None,
     ) -> None:
         self._connection = connection
         self._on_stored = on_stored
+        self._on_refused = on_refused
         self._raise_data_loss = raise_data_loss
         # Highest sequence the server acknowledged; sent on every rejoin.
         self._acked = 0
@@ -493,6 +495,7 @@ class ChunkSender:
                 self.stats.errors.append(
                     from_status(ack.error_code or "UNKNOWN", ack.error_message, self._target)
                 )
+                self._on_refused(item)
             elif ack.result == pb.RecordAck.DROPPED_FULL:
                 self.stats.chunks_dropped_full += 1
             else:

@@ -150,9 +150,11 @@ class RolloutRecorder:
         self._raise_loss = raise_loss
         self._lock = threading.Lock()
         self._sequence = 0
-        # Fixed by the first chunk the server stored; until then chunks are checked only
-        # against themselves (the server refuses a mismatch among those in flight).
+        # This worker's layout: fixed by its first chunk, so that a change is refused by
+        # record() even while the first is in flight; forgotten if the server refuses that
+        # chunk before storing any (the session's layout may be another worker's).
         self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        self._schema_stored = False
         self._signature: tuple | None = None
         self._layout: Any = None
         self._step_bytes = 0
@@ -189,6 +191,7 @@ class RolloutRecorder:
                 reconnect_timeout=reconnect_timeout,
                 packed=lambda: self._joined.packed_codecs,
                 on_stored=self._stored,
+                on_refused=self._refused,
                 raise_data_loss=self._raise_loss,
                 max_episodes=self.max_episodes,
                 status_call=lambda done: self._connection.call_async(
@@ -268,8 +271,9 @@ class RolloutRecorder:
         Returns False when the chunk was dropped: the session is full (as
         in-process, where record() returns at once), or the in-flight cap was
         reached with on_backpressure="drop" (counted in `dropped_chunks`).
-        Raises InvalidChunkError (a ValueError) for a chunk that does not match
-        this worker's stored chunks; nothing is queued then. A refusal the server
+        Raises InvalidChunkError (a ValueError) for a chunk whose shapes disagree
+        with its (T, N), or whose N, dtypes, trailing shapes or state fields differ
+        from this worker's earlier chunks; nothing is queued then. A refusal the server
         sent for an earlier chunk (InvalidChunkError), or chunks it lost after
         acknowledging them (DataLossError), are raised after this call's own
         chunk was queued: catching the exception never costs a chunk.
@@ -369,9 +373,22 @@ class RolloutRecorder:
 
     def _stored(self, item: PendingChunk) -> None:
         # The sender thread: the server stored a chunk of this layout.
-        if self._schema is None and item.schema is not None:
-            self._schema = item.schema
-            self._signature = None  # the next chunk is checked against it in full
+        if not self._schema_stored and item.schema is not None:
+            self._schema_stored = True
+            if self._schema is None:
+                self._schema = item.schema
+                self._signature = None  # the next chunk is checked against it in full
+
+    def _refused(self, item: PendingChunk) -> None:
+        # The sender thread: a refusal before anything was stored unfixes the layout.
+        if not self._schema_stored:
+            self._schema = None
+            self._signature = None
+
+    def _forget_layout(self) -> None:
+        self._schema = None
+        self._schema_stored = False
+        self._signature = None
 
     def _validate_fully(self, arrays: dict[str, Any]) -> tuple[int, Any]:
         """Every check of a chunk; returns its bytes per step (every array has the same T once
@@ -401,11 +418,23 @@ class RolloutRecorder:
                 _wire.check_dtype(dtype, label)
             except ValueError as exc:
                 raise InvalidChunkError(str(exc)) from None
+        capture = self.capture_config
+        if capture is not None:  # the store keys cells on them: the server refuses without
+            for cell in capture.cell_fields:
+                if f"state:{cell.state_field}" not in schema:
+                    got = sorted(k[6:] for k in schema if k.startswith("state:"))
+                    raise InvalidChunkError(
+                        f"env_states: expected the cell-key field {cell.state_field!r} of the "
+                        f"session's capture configuration (record it with record_states=True), "
+                        f"got fields {got}"
+                    )
         # Outcome codes are optional chunk by chunk; everything else must stay the same.
         fixed = {k: v for k, v in schema.items() if k != "outcome"}
         previous = self._schema
         if previous is not None:
             self._check_against(previous, fixed)
+        else:
+            self._schema = fixed
         step = sum(int(np.prod(s[1:], dtype=np.int64)) * d.itemsize for s, d in schema.values())
         return step, fixed
 
@@ -510,6 +539,7 @@ class RolloutRecorder:
         )
         # This worker's place and sequence come from the loaded state now.
         self._sequence = self._join(0)  # which also takes the loaded counters
+        self._forget_layout()
 
     def checkpoint(self) -> str:
         """Ask the server to checkpoint every session now; returns the file's path."""
@@ -521,8 +551,7 @@ class RolloutRecorder:
         self.flush()
         reply = self._connection.call("Reset", pb.ResetRequest(session=self.session))
         self._sender.take_counters(reply.status, self._sequence)
-        self._schema = None
-        self._signature = None
+        self._forget_layout()
 
     # -- lifetime --------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
