@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _wire
+from . import _checks, _wire
 from ._connection import Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
@@ -344,32 +344,15 @@ class RolloutRecorder:
         signature = tuple((k, tuple(shape[1:]), dtype) for k, shape, dtype in shapes)
         lengths = {shape[0] if shape else None for _, shape, _ in shapes}
         if "outcome" in arrays:
-            self._check_outcome(arrays["outcome"])
+            _checks.check_outcome(arrays["outcome"])
         if signature == self._signature and len(lengths) == 1:
             return lengths.pop() * self._step_bytes, self._layout
         # Bytes per step of this layout: the next chunks of it are sized without a read.
-        step_bytes, layout = self._validate_fully(arrays)
+        step_bytes, layout = _checks.check_layout(arrays, self._schema, self.capture_config)
+        if self._schema is None:
+            self._schema = layout
         self._signature, self._layout, self._step_bytes = signature, layout, step_bytes
         return lengths.pop() * step_bytes, layout  # one T once checked
-
-    @staticmethod
-    def _check_outcome(codes: Any) -> None:
-        if np.dtype(codes.dtype).kind not in "iu":
-            raise InvalidChunkError(
-                f"trajectories.outcome: expected integer codes, got dtype {codes.dtype}"
-            )
-        # A device array's values are not read here (that would wait for the device); the
-        # server checks them, and refuses that chunk alone.
-        if (
-            isinstance(codes, np.ndarray)
-            and codes.size
-            and (int(codes.min()) < 0 or int(codes.max()) > 4)
-        ):
-            bad = codes[(codes < 0) | (codes > 4)].ravel()[0]
-            raise InvalidChunkError(
-                "trajectories.outcome: expected codes 0 (unknown), 1 (win), 2 (loss), "
-                f"3 (draw) or 4 (incomplete), got {int(bad)}"
-            )
 
     def _stored(self, item: PendingChunk) -> None:
         # The sender thread: the server stored a chunk of this layout.
@@ -389,82 +372,6 @@ class RolloutRecorder:
         self._schema = None
         self._schema_stored = False
         self._signature = None
-
-    def _validate_fully(self, arrays: dict[str, Any]) -> tuple[int, Any]:
-        """Every check of a chunk; returns its bytes per step (every array has the same T once
-        checked) and its layout."""
-        schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
-        a_shape = schema["action"][0]
-        if len(a_shape) not in (2, 3):
-            raise InvalidChunkError(
-                f"trajectories.action: expected shape (T, N) or (T, N, P), got {a_shape}"
-            )
-        tn = a_shape[:2]
-        for key, (shape, dtype) in schema.items():
-            label = key.replace("state:", "env_states.") if key.startswith("state:") else key
-            if key != "action" and key.startswith("state:") and shape[:2] != tn:
-                raise InvalidChunkError(
-                    f"{label}: expected shape starting with (T, N) = {tn}, got {shape}"
-                )
-            if key in ("reward", "done", "outcome") and shape != tn:
-                raise InvalidChunkError(
-                    f"trajectories.{key}: expected shape (T, N) = {tn}, got {shape}"
-                )
-            if key == "outcome" and dtype.kind not in "iu":
-                raise InvalidChunkError(
-                    f"trajectories.outcome: expected integer codes, got dtype {dtype}"
-                )
-            try:
-                _wire.check_dtype(dtype, label)
-            except ValueError as exc:
-                raise InvalidChunkError(str(exc)) from None
-        capture = self.capture_config
-        if capture is not None:  # the store keys cells on them: the server refuses without
-            for cell in capture.cell_fields:
-                if f"state:{cell.state_field}" not in schema:
-                    got = sorted(k[6:] for k in schema if k.startswith("state:"))
-                    raise InvalidChunkError(
-                        f"env_states: expected the cell-key field {cell.state_field!r} of the "
-                        f"session's capture configuration (record it with record_states=True), "
-                        f"got fields {got}"
-                    )
-        # Outcome codes are optional chunk by chunk; everything else must stay the same.
-        fixed = {k: v for k, v in schema.items() if k != "outcome"}
-        previous = self._schema
-        if previous is not None:
-            self._check_against(previous, fixed)
-        else:
-            self._schema = fixed
-        step = sum(int(np.prod(s[1:], dtype=np.int64)) * d.itemsize for s, d in schema.values())
-        return step, fixed
-
-    @staticmethod
-    def _check_against(previous: dict, schema: dict) -> None:
-        if set(previous) != set(schema):
-            want = sorted(k[6:] for k in previous if k.startswith("state:"))
-            got = sorted(k[6:] for k in schema if k.startswith("state:"))
-            raise InvalidChunkError(
-                f"env_states: expected state fields {want} like this worker's earlier chunks, "
-                f"got {got}"
-            )
-        n_prev, n_now = previous["action"][0][1], schema["action"][0][1]
-        if n_prev != n_now:
-            raise InvalidChunkError(
-                f"N: expected {n_prev} environments like this worker's earlier chunks, got {n_now}"
-            )
-        for key, (shape, dtype) in schema.items():
-            p_shape, p_dtype = previous[key]
-            label = key.replace("state:", "env_states.") if key.startswith("state:") else key
-            if dtype != p_dtype:
-                raise InvalidChunkError(
-                    f"{label}.dtype: expected {p_dtype} like this worker's earlier chunks, "
-                    f"got {dtype}"
-                )
-            if shape[2:] != p_shape[2:]:
-                raise InvalidChunkError(
-                    f"{label}.shape: expected trailing shape {p_shape[2:]} after (T, N) like "
-                    f"this worker's earlier chunks, got {shape[2:]}"
-                )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every recorded chunk is acknowledged by the server."""

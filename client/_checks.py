@@ -1,0 +1,116 @@
+"""What record() checks before it queues a chunk: its shapes against (T, N), and its
+layout (N, dtypes, trailing shapes, state fields) against the worker's earlier chunks.
+
+Each refusal the server would send for a layout the client can see is raised here first,
+naming the field, what was expected and what arrived.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _wire
+from .capture_types import TrajectoryTrainingConfiguration
+from .errors import InvalidChunkError
+
+#: A chunk's layout: each array's key -> (shape, dtype); outcome codes are left out.
+Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def _label(key: str) -> str:
+    return key.replace("state:", "env_states.") if key.startswith("state:") else key
+
+
+def check_outcome(codes: Any) -> None:
+    if np.dtype(codes.dtype).kind not in "iu":
+        raise InvalidChunkError(
+            f"trajectories.outcome: expected integer codes, got dtype {codes.dtype}"
+        )
+    # A device array's values are not read here (that would wait for the device); the
+    # server checks them, and refuses that chunk alone.
+    if (
+        isinstance(codes, np.ndarray)
+        and codes.size
+        and (int(codes.min()) < 0 or int(codes.max()) > 4)
+    ):
+        bad = codes[(codes < 0) | (codes > 4)].ravel()[0]
+        raise InvalidChunkError(
+            "trajectories.outcome: expected codes 0 (unknown), 1 (win), 2 (loss), "
+            f"3 (draw) or 4 (incomplete), got {int(bad)}"
+        )
+
+
+def check_layout(
+    arrays: dict[str, Any], previous: Layout | None, capture: TrajectoryTrainingConfiguration | None
+) -> tuple[int, Layout]:
+    """Every check of a chunk, against ``previous`` (the worker's layout, None before its
+    first chunk); returns its bytes per step (every array has the same T once checked)
+    and its layout."""
+    schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
+    a_shape = schema["action"][0]
+    if len(a_shape) not in (2, 3):
+        raise InvalidChunkError(
+            f"trajectories.action: expected shape (T, N) or (T, N, P), got {a_shape}"
+        )
+    tn = a_shape[:2]
+    for key, (shape, dtype) in schema.items():
+        label = _label(key)
+        if key != "action" and key.startswith("state:") and shape[:2] != tn:
+            raise InvalidChunkError(
+                f"{label}: expected shape starting with (T, N) = {tn}, got {shape}"
+            )
+        if key in ("reward", "done", "outcome") and shape != tn:
+            raise InvalidChunkError(
+                f"trajectories.{key}: expected shape (T, N) = {tn}, got {shape}"
+            )
+        if key == "outcome" and dtype.kind not in "iu":
+            raise InvalidChunkError(
+                f"trajectories.outcome: expected integer codes, got dtype {dtype}"
+            )
+        try:
+            _wire.check_dtype(dtype, label)
+        except ValueError as exc:
+            raise InvalidChunkError(str(exc)) from None
+    if capture is not None:  # the store keys cells on them: the server refuses without
+        for cell in capture.cell_fields:
+            if f"state:{cell.state_field}" not in schema:
+                got = sorted(k[6:] for k in schema if k.startswith("state:"))
+                raise InvalidChunkError(
+                    f"env_states: expected the cell-key field {cell.state_field!r} of the "
+                    f"session's capture configuration (record it with record_states=True), "
+                    f"got fields {got}"
+                )
+    # Outcome codes are optional chunk by chunk; everything else must stay the same.
+    fixed = {k: v for k, v in schema.items() if k != "outcome"}
+    if previous is not None:
+        check_against(previous, fixed)
+    step = sum(int(np.prod(s[1:], dtype=np.int64)) * d.itemsize for s, d in schema.values())
+    return step, fixed
+
+
+def check_against(previous: Layout, schema: Layout) -> None:
+    if set(previous) != set(schema):
+        want = sorted(k[6:] for k in previous if k.startswith("state:"))
+        got = sorted(k[6:] for k in schema if k.startswith("state:"))
+        raise InvalidChunkError(
+            f"env_states: expected state fields {want} like this worker's earlier chunks, got {got}"
+        )
+    n_prev, n_now = previous["action"][0][1], schema["action"][0][1]
+    if n_prev != n_now:
+        raise InvalidChunkError(
+            f"N: expected {n_prev} environments like this worker's earlier chunks, got {n_now}"
+        )
+    for key, (shape, dtype) in schema.items():
+        p_shape, p_dtype = previous[key]
+        label = _label(key)
+        if dtype != p_dtype:
+            raise InvalidChunkError(
+                f"{label}.dtype: expected {p_dtype} like this worker's earlier chunks, got {dtype}"
+            )
+        if shape[2:] != p_shape[2:]:
+            raise InvalidChunkError(
+                f"{label}.shape: expected trailing shape {p_shape[2:]} after (T, N) like "
+                f"this worker's earlier chunks, got {shape[2:]}"
+            )
