@@ -10,7 +10,11 @@ checked against the truth the test computes from the chunks it sent.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "crash-safety.md"
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,17 @@ ROWS: tuple[Row, ...] = (
         log="of 'liar' refused: chunk.action.data",
     ),
     Row(
+        key="bad-shape",
+        fault="`record()` gets a chunk whose arrays do not share one `(T, N)`",
+        guarantee=(
+            "`record()` raises `InvalidChunkError` naming the field before it returns and "
+            "queues nothing; every other chunk is stored"
+        ),
+        trainer="InvalidChunkError",
+        told="trajectories.reward: expected shape (T, N) = (16, 3), got (16, 2)",
+        log=None,
+    ),
+    Row(
         key="worker-id-in-use",
         fault="A second recorder opens with the `worker_id` of a live one",
         guarantee=(
@@ -123,5 +138,18 @@ def markdown_table(rows: tuple[Row, ...] = ROWS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_table(page: Path = DOCS) -> None:
+    """Replace the table in the page with the rows' (the text around it stays)."""
+    text = page.read_text()
+    start = text.index("| Fault | Guarantee |")
+    end = text.find("\n\n", start)
+    end = len(text) if end < 0 else end + 1
+    page.write_text(text[:start] + markdown_table() + text[end:])
+
+
 if __name__ == "__main__":
-    print(markdown_table(), end="")
+    # `python tests/fault_matrix_rows.py` prints the table; with --write, puts it in the page.
+    if sys.argv[1:] == ["--write"]:
+        write_table()
+    else:
+        print(markdown_table(), end="")

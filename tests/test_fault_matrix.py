@@ -14,28 +14,31 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from conftest import RestartableServer
-from fault_matrix_rows import ROWS, Row, markdown_table
+from fault_matrix_rows import DOCS, ROWS, Row, markdown_table
 from test_dataset import N, T, chunk, episodes_of, wait_written
 from test_dataset_store import CAPTURE
 from test_trust import zeros, zeros_frame
 
-from recorder_client import RecorderError, RolloutRecorder, drop_session
+from recorder_client import (
+    InvalidChunkError,
+    RecorderError,
+    RolloutRecorder,
+    WorkerIdInUseError,
+    drop_session,
+)
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 from recorder_client.dataset import read_episodes
 
 pytestmark = pytest.mark.timeout(180)
-
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "crash-safety.md"
-
 
 # -- the truth, from the chunks sent ---------------------------------------------------------
 
@@ -101,12 +104,13 @@ class Outcome:
 
     session: str
     kept: dict[int, list[int]]
-    """worker -> chunk indexes that finish() and the store hold."""
+    """worker -> chunk indexes whose finished episodes finish() returns."""
     seen: object = None
     """What the trainer saw: None, an exception, or a refusing RecordAck."""
+    store: dict[int, list[int]] | None = None
+    """worker -> chunk indexes whose finished episodes the store holds (default: kept)."""
     dataset: dict[int, list[int]] | None = None
-    """worker -> chunk indexes whose finished episodes the dataset holds (default: kept)."""
-    extra: list[Callable[[], None]] = field(default_factory=list)
+    """worker -> chunk indexes whose finished episodes the dataset holds (default: store)."""
 
 
 def recorder(server: RestartableServer, session: str, worker: int, **kw) -> RolloutRecorder:
@@ -140,17 +144,19 @@ def seen_as(seen: object) -> tuple[str, str]:
 
 
 def check_holdings(server: RestartableServer, uri: str, out: Outcome) -> None:
-    expected = true_episodes(out.kept)
+    store = out.store if out.store is not None else out.kept
+    expected = true_episodes(store)
     viewer = RolloutRecorder(
         record_states=True,
         target=server.address,
         session=out.session,
         worker_id="viewer",
         capture=CAPTURE,
+        on_data_loss="continue",  # what the trainer was told is checked on its own
     )
     try:
         got = viewer.finish(pad_incomplete=False)
-        assert episodes_of(got) == expected, "finish() differs from the truth"
+        assert episodes_of(got) == true_episodes(out.kept), "finish() differs from the truth"
         archive = viewer.capture.archive()
         cells = {tuple(k): int(v) for k, v in zip(archive.keys.tolist(), archive.visits.tolist())}
         assert cells == dict(true_visits(expected)), "the store's visits differ from the truth"
@@ -170,7 +176,7 @@ def check_holdings(server: RestartableServer, uri: str, out: Outcome) -> None:
         assert cell == reference.cell
     finally:
         viewer.close()
-    in_dataset = true_episodes(out.dataset if out.dataset is not None else out.kept)
+    in_dataset = true_episodes(out.dataset if out.dataset is not None else store)
     wait_written(uri, out.session, sum(in_dataset.values()))
     assert episodes_of(read_episodes(uri, out.session)) == in_dataset, "the dataset differs"
 
@@ -302,9 +308,20 @@ def lying_size(bench: Bench, session: str):
     return _refused_chunk(bench, session, "liar", action)
 
 
-def worker_id_in_use(bench: Bench, session: str):
-    from recorder_client import WorkerIdInUseError
+def bad_shape(bench: Bench, session: str):
+    server = bench.shared
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(3))
+    arrays, states = chunk(0, 3)
+    arrays["reward"] = arrays["reward"][:, :2]
+    with pytest.raises(InvalidChunkError) as refused:
+        rec.record(arrays, states, outcome=arrays.pop("outcome"))
+    send(rec, 0, range(3, 6))  # the same sequence numbers go on: nothing was queued
+    rec.close()
+    return server, Outcome(session, {0: list(range(6))}, seen=refused.value)
 
+
+def worker_id_in_use(bench: Bench, session: str):
     server = bench.shared
     first = recorder(server, session, 0)
     send(first, 0, range(4))
@@ -367,6 +384,7 @@ SCENARIOS = {
     "corrupt-newest-checkpoint": corrupt_newest_checkpoint,
     "zstd-bomb": zstd_bomb,
     "lying-size": lying_size,
+    "bad-shape": bad_shape,
     "worker-id-in-use": worker_id_in_use,
     "overclaiming-join": overclaiming_join,
     "drop-while-recording": drop_while_recording,
@@ -419,6 +437,7 @@ def test_the_crash_safety_table_matches_the_fault_matrix():
     assert "(docs/crash-safety.md)" in readme, "README's crash-safety section links the table"
     documented = documented_rows(DOCS.read_text())
     assert documented == [(row.fault, row.guarantee) for row in ROWS], (
-        f"{DOCS}'s table differs from tests/fault_matrix_rows.py; it should read:\n"
+        f"{DOCS}'s table differs from tests/fault_matrix_rows.py (python "
+        "tests/fault_matrix_rows.py --write puts the rows' table in); it should read:\n"
         + markdown_table()
     )
