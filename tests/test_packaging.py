@@ -153,3 +153,36 @@ def test_the_cli_without_the_server_extra(bare_venv, tmp_path):
         timeout=60,
     )
     assert health.returncode == 1 and "needs grpcio-health-checking" in health.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_wheel_carries_every_module_and_the_dashboard_files(tmp_path):
+    """Every .py file under client/ and server/ and every file of the dashboard's static/
+    directory is in the wheel, and setuptools finds no importable directory left out of
+    the `packages` configuration."""
+    import zipfile
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *(p.name for p in ROOT.glob("LICENSE*"))):
+        shutil.copy2(ROOT / name, source / name)
+    for package in ("client", "server"):
+        shutil.copytree(
+            ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    wheels = tmp_path / "wheels"
+    cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation"]
+    out = _run([*cmd, "-w", str(wheels), str(source)], tmp_path, dict(os.environ), 150)
+    assert "absent from the `packages` configuration" not in out.stdout + out.stderr
+    (wheel,) = wheels.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {
+        f"{installed}/{path.relative_to(ROOT / directory).as_posix()}"
+        for directory, installed in (("client", "recorder_client"), ("server", "recorder_server"))
+        for path in (ROOT / directory).rglob("*")
+        if path.is_file()
+        and "__pycache__" not in path.parts
+        and (path.suffix == ".py" or path.parent == ROOT / "server" / "dashboard" / "static")
+    }
+    assert any("/dashboard/static/" in name for name in expected)
+    assert expected <= names, sorted(expected - names)
