@@ -36,7 +36,16 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("server: WAL / checkpoint", ("wal.py", "checkpoint.py", "records.py", "files.py")),
     (
         "server: store / metrics",
-        ("processor.py", "cells.py", "archive.py", "repository.py", "tracker.py", "sinks.py"),
+        (
+            "processor.py",
+            "cells.py",
+            "archive.py",
+            "repository.py",
+            "tracker.py",
+            "model.py",
+            "gating.py",
+            "sinks.py",
+        ),
     ),
     ("gRPC Python layer (send, receive, polling)", ("_channel.py", "_server.py", "_common.py")),
     ("client: sender thread (acks, queue)", ("_stream.py",)),
