@@ -403,8 +403,8 @@ class RolloutRecorder:
         It counts every chunk this worker recorded (before the server takes it, as it
         will unless another worker fills the session first), and other workers' chunks as
         of the server's last answer to this worker: an ack or, with nothing of this worker's
-        in flight for 20 ms, a status that reading this asks for in the background (README,
-        "Semantics"). status() asks the server and waits.
+        in flight for 20 ms, a status that reading this asks for in the background
+        (docs/concepts.md, "Semantics"). status() asks the server and waits.
         """
         return self._sender.counters()[1]
 
