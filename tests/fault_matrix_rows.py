@@ -95,6 +95,17 @@ ROWS: tuple[Row, ...] = (
         log=None,
     ),
     Row(
+        key="changed-dtype",
+        fault="`record()` gets a chunk whose action dtype differs from the worker's earlier chunks",
+        guarantee=(
+            "`record()` raises `InvalidChunkError` naming the field and both dtypes before it "
+            "returns and queues nothing; every other chunk is stored"
+        ),
+        trainer="InvalidChunkError",
+        told="action.dtype: expected int64 like this worker's earlier chunks, got int32",
+        log=None,
+    ),
+    Row(
         key="worker-id-in-use",
         fault="A second recorder opens with the `worker_id` of a live one",
         guarantee=(

@@ -308,17 +308,26 @@ def lying_size(bench: Bench, session: str):
     return _refused_chunk(bench, session, "liar", action)
 
 
-def bad_shape(bench: Bench, session: str):
+def _refused_record(bench: Bench, session: str, spoil) -> tuple[RestartableServer, Outcome]:
+    """A worker's record() of chunk 3, spoiled, between good ones."""
     server = bench.shared
     rec = recorder(server, session, 0)
     send(rec, 0, range(3))
     arrays, states = chunk(0, 3)
-    arrays["reward"] = arrays["reward"][:, :2]
+    spoil(arrays)
     with pytest.raises(InvalidChunkError) as refused:
         rec.record(arrays, states, outcome=arrays.pop("outcome"))
     send(rec, 0, range(3, 6))  # the same sequence numbers go on: nothing was queued
     rec.close()
     return server, Outcome(session, {0: list(range(6))}, seen=refused.value)
+
+
+def bad_shape(bench: Bench, session: str):
+    return _refused_record(bench, session, lambda a: a.update(reward=a["reward"][:, :2]))
+
+
+def changed_dtype(bench: Bench, session: str):
+    return _refused_record(bench, session, lambda a: a.update(action=a["action"].astype(np.int32)))
 
 
 def worker_id_in_use(bench: Bench, session: str):
@@ -385,6 +394,7 @@ SCENARIOS = {
     "zstd-bomb": zstd_bomb,
     "lying-size": lying_size,
     "bad-shape": bad_shape,
+    "changed-dtype": changed_dtype,
     "worker-id-in-use": worker_id_in_use,
     "overclaiming-join": overclaiming_join,
     "drop-while-recording": drop_while_recording,
