@@ -7,8 +7,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import recorder_client
 from recorder_server.cli.main import build_parser
@@ -65,3 +70,30 @@ def test_readme_links_resolve_to_docs_pages():
     assert links
     for link in links:
         assert (ROOT / "docs" / link).is_file(), f"README.md links docs/{link}, which is missing"
+
+
+def test_make_test_builds_the_docs_strictly():
+    makefile = (ROOT / "Makefile").read_text()
+    test_recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    assert "$(MAKE) --no-print-directory docs" in test_recipe
+    docs_recipe = makefile.split("\ndocs:", 1)[1].split("\n\n", 1)[0]
+    assert "mkdocs build --strict" in docs_recipe
+    assert "'.[server,dev,docs]'" in makefile
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """The whole site, as `make docs` builds it: a broken link, anchor or page fails."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet"]
+        + ["--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    assert "Queue one (T, N) chunk and return" in api  # record()'s docstring, rendered
