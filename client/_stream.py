@@ -14,14 +14,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from ._loss import data_loss_error
-from ._messages import array_to_proto
+from ._pending import PendingChunk, SenderStats, StreamStats, encode_chunk
 from ._proto import recorder_pb2 as pb
 from ._wire import ERROR_KIND_KEY
 from .errors import (
@@ -56,93 +54,6 @@ def _kind(err: grpc.RpcError) -> str:
     return ""
 
 
-@dataclass
-class PendingChunk:
-    """A chunk between record() and its acknowledgement."""
-
-    sequence: int
-    raw_bytes: int
-    # Host arrays (or device arrays with a host copy under way) until encoded.
-    arrays: dict[str, Any] | None
-    request: pb.RecordRequest | None = None
-    wire_bytes: int = 0
-    # The chunk's layout, which fixes the worker's once the server stores it.
-    schema: Any = None
-    # Its time steps, and its done flags: counted by record() for host arrays (before the
-    # sender threads wake), else at encoding or when asked.
-    length: int = 0
-    dones: int | None = None
-    # Whether `dones` was known when the chunk was queued (it is in the running sum).
-    dones_summed: bool = False
-
-    def count_dones(self) -> int:
-        if self.dones is None:
-            arrays = self.arrays
-            if arrays is not None:
-                self.dones = int(np.count_nonzero(_to_host(arrays["done"])))
-        # Encoding counts them before it lets the arrays go.
-        return self.dones if self.dones is not None else 0
-
-
-@dataclass(frozen=True)
-class StreamStats:
-    """A worker's stream so far."""
-
-    chunks_sent: int
-    """Chunk messages sent, resends included."""
-    chunks_acked: int
-    chunks_dropped_full: int
-    """Chunks the session did not store because it was full (max_episodes)."""
-    chunks_dropped_in_flight: int
-    """Chunks dropped at the in-flight cap (on_backpressure="drop")."""
-    raw_bytes: int
-    """Uncompressed bytes of the chunks the server stored."""
-    wire_bytes: int
-    """Bytes those chunks took on the wire."""
-    reconnects: int
-    sequences_lost: int = 0
-    """Acknowledged chunks the server later reported lost (see DataLossError)."""
-
-
-@dataclass
-class SenderStats:
-    chunks_sent: int = 0
-    chunks_acked: int = 0
-    chunks_dropped_full: int = 0
-    chunks_dropped_in_flight: int = 0
-    raw_bytes: int = 0
-    wire_bytes: int = 0
-    reconnects: int = 0
-    sequences_lost: int = 0
-    errors: list[RecorderError] = field(default_factory=list)
-
-
-def _to_host(value: Any) -> np.ndarray:
-    return value if isinstance(value, np.ndarray) else np.asarray(value)
-
-
-def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.RecordRequest:
-    """The chunk's request; ``pack``: integer arrays packed where the server takes that."""
-    arrays = item.arrays or {}
-    chunk = pb.Chunk(sequence=item.sequence)
-    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level, pack))
-    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level, pack))
-    done = _to_host(arrays["done"])
-    if done.dtype != np.bool_:
-        done = done.astype(bool)
-    if item.dones is None:
-        item.dones = int(np.count_nonzero(done))
-    chunk.done.CopyFrom(array_to_proto(done, level, pack))
-    if "outcome" in arrays:
-        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level, pack))
-    for name, value in arrays.items():
-        if name.startswith("state:"):
-            chunk.states.append(
-                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
-            )
-    return pb.RecordRequest(chunk=chunk)
-
-
 def _counters_of(msg: Any) -> tuple[int, bool, int, int]:
     """(version, is_full, num_recorded_steps, episodes_finished) of an ack or a status."""
     return (msg.counters_version, msg.is_full, msg.num_recorded_steps, msg.episodes_finished)
@@ -167,6 +78,7 @@ class ChunkSender:
         packed: Callable[[], bool] = lambda: False,
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
         on_refused: Callable[[PendingChunk], None] = lambda item: None,
+        on_error: Callable[[RecorderError], None] | None = None,
         raise_data_loss: bool = True,
         max_episodes: int | None = None,
         status_call: Callable[[Callable[[Any], None]], None] | None = None,
@@ -174,6 +86,9 @@ class ChunkSender:
         self._connection = connection
         self._on_stored = on_stored
         self._on_refused = on_refused
+        # Errors for the caller's on_error, handed over outside the lock.
+        self._on_error = on_error
+        self._outbox: list[RecorderError] = []
         self._raise_data_loss = raise_data_loss
         # Highest sequence the server acknowledged; sent on every rejoin.
         self._acked = 0
@@ -384,9 +299,18 @@ class ChunkSender:
                 s.sequences_lost,
             )
 
+    def unseen(self) -> bool:
+        """Whether an error waits for the caller (read without the lock, on every call)."""
+        return bool(self.stats.errors) or (self._fatal is not None and not self.fatal_reported)
+
     def take_errors(self) -> list[RecorderError]:
+        """The errors the caller has not seen, each handed out once; the stream's failure
+        comes after them (record() and flush() raise it on every call as well)."""
         with self._cond:
             errors, self.stats.errors = self.stats.errors, []
+            if not errors and self._fatal is not None and not self.fatal_reported:
+                self.fatal_reported = True
+                errors = [self._fatal]
             return errors
 
     def close(self) -> None:
@@ -420,9 +344,10 @@ class ChunkSender:
                     item.request = encode_chunk(item, self._level, self._packed())
                 except Exception as exc:  # one bad array must not stall the chunks behind it
                     with self._cond:
-                        self.stats.errors.append(
+                        self._report(
                             InvalidChunkError(f"chunk {item.sequence} could not be encoded: {exc}")
                         )
+                    self._deliver()
                     # An empty chunk keeps the sequence gapless; the server refuses it.
                     item.request = pb.RecordRequest(chunk=pb.Chunk(sequence=item.sequence))
                 item.arrays = None  # the encoded copy is all a resend needs
@@ -440,6 +365,8 @@ class ChunkSender:
                 responses = self._connection.record_stream(self._requests(generation))
                 for ack in responses:
                     self._on_ack(ack)
+                    if self._outbox:
+                        self._deliver()
                 with self._cond:
                     if self._closing and not self._to_send and not self._unacked:
                         return
@@ -460,9 +387,10 @@ class ChunkSender:
                 error = from_rpc_error(err, self._target)
                 with self._cond:
                     if self._exhausted is None:
-                        self.stats.errors.append(error)
+                        self._report(error)
                     self._exhausted = error
                     self._cond.notify_all()
+                self._deliver()
             elif (
                 err is not None and err.code() not in _RETRYABLE and _kind(err) not in _REJOIN_KINDS
             ):
@@ -480,7 +408,7 @@ class ChunkSender:
             self._heard = time.monotonic()
             # Earlier chunks of this worker's, found after their ack not to decode.
             for message in ack.late_refusals:
-                self.stats.errors.append(from_status("INVALID_ARGUMENT", message, self._target))
+                self._report(from_status("INVALID_ARGUMENT", message, self._target))
             if ack.late_refusals:
                 self._cond.notify_all()
             item = self._unacked.pop(ack.sequence, None)
@@ -492,7 +420,7 @@ class ChunkSender:
             self._progress = True
             self.stats.chunks_acked += 1
             if ack.result == pb.RecordAck.REJECTED:
-                self.stats.errors.append(
+                self._report(
                     from_status(ack.error_code or "UNKNOWN", ack.error_message, self._target)
                 )
                 self._on_refused(item)
@@ -593,11 +521,31 @@ class ChunkSender:
         with self._cond:
             self.stats.sequences_lost += last - first + 1
             if self._raise_data_loss:
-                self.stats.errors.append(error)
+                self._report(error)
             self._cond.notify_all()
+        self._deliver()
 
     def _fail(self, exc: RecorderError) -> None:
         with self._cond:
             self._fatal = exc
+            if self._on_error is not None:
+                self._outbox.append(exc)
             self._cond.notify_all()
         logger.error("recorder stream failed: %s", exc)
+        self._deliver()
+
+    def _report(self, error: RecorderError) -> None:
+        """An error for the caller's next call, and for on_error (the lock is held)."""
+        self.stats.errors.append(error)
+        if self._on_error is not None:
+            self._outbox.append(error)
+
+    def _deliver(self) -> None:
+        """Hand reported errors to on_error, without the lock: it may call the recorder."""
+        with self._cond:
+            errors, self._outbox = self._outbox, []
+        for error in errors:
+            try:
+                self._on_error(error)  # type: ignore[misc]
+            except Exception:  # the callback's own failure must not stop the stream
+                logger.exception("on_error raised while handed %r", error)

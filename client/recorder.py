@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -90,6 +90,14 @@ class RolloutRecorder:
 
     Without `target` (and without ROLLOUT_RECORDER_TARGET) the client starts a
     private server process and stops it on `close()`.
+
+    An error that arrives after `record()` returned (a chunk the server refused,
+    chunks lost after their ack, the stream's failure) is raised by this
+    recorder's next call of any kind: `record`, `flush`, `finish`, `is_full`,
+    `num_recorded_steps`, `status`, `close`; each error once, and acknowledged
+    chunks stay. `on_error(exc)`, if given, is also called with each one as it
+    arrives, on the stream's background thread: keep it short (an exception it
+    raises is logged).
     """
 
     def __init__(
@@ -113,6 +121,7 @@ class RolloutRecorder:
         client_key: PemSource = None,
         capture: TrajectoryTrainingConfiguration | None = None,
         on_data_loss: str = "raise",
+        on_error: Callable[[RecorderError], None] | None = None,
     ) -> None:
         if max_episodes is not None and (
             isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
@@ -127,6 +136,8 @@ class RolloutRecorder:
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
         raise_loss = raises_on_loss(on_data_loss)
+        if on_error is not None and not callable(on_error):
+            raise ValueError(f"on_error: expected a callable or None, got {on_error!r}")
         try:
             _wire.check_session_name(session)
             if worker_id is not None:
@@ -192,6 +203,7 @@ class RolloutRecorder:
                 packed=lambda: self._joined.packed_codecs,
                 on_stored=self._stored,
                 on_refused=self._refused,
+                on_error=on_error,
                 raise_data_loss=self._raise_loss,
                 max_episodes=self.max_episodes,
                 status_call=lambda done: self._connection.call_async(
@@ -253,6 +265,9 @@ class RolloutRecorder:
             raise RecorderError("the recorder is closed")
 
     def _raise_async_errors(self) -> None:
+        """Raise what the server refused since the caller last heard (each error once)."""
+        if not self._sender.unseen():
+            return
         errors = self._sender.take_errors()
         if errors:
             if len(errors) > 1:
@@ -382,6 +397,7 @@ class RolloutRecorder:
     def status(self) -> SessionStatus:
         """The session's counters and its workers', as the server has them now."""
         self._check_open()
+        self._raise_async_errors()
         reply = self._connection.call("GetStatus", pb.StatusRequest(session=self.session))
         return session_status(reply)
 
@@ -394,6 +410,7 @@ class RolloutRecorder:
     def is_full(self) -> bool:
         """Whether the session's done count reached max_episodes, answered here: see
         num_recorded_steps for what it counts."""
+        self._raise_async_errors()
         return self.max_episodes is not None and self._sender.counters()[0]
 
     @property
@@ -406,6 +423,7 @@ class RolloutRecorder:
         in flight for 20 ms, a status that reading this asks for in the background
         (docs/concepts.md, "Semantics"). status() asks the server and waits.
         """
+        self._raise_async_errors()
         return self._sender.counters()[1]
 
     def finish(self, pad_incomplete: bool = True) -> Trajectory:
@@ -480,6 +498,7 @@ class RolloutRecorder:
             self._shutdown_transport()
             self._finalizer.detach()
             atexit.unregister(self._finalizer)
+        self._raise_async_errors()  # a refusal that came after the last call
 
     def _leave(self) -> None:
         # The worker stops counting against the session's worker limit; its chunks stay.

@@ -1,15 +1,16 @@
-"""Errors reach the caller: what the client can check is refused by record() itself.
-Real servers on real ports throughout."""
+"""Errors reach the caller: what the client can check is refused by record() itself, and a
+refusal the server sends later is raised by the recorder's next call of any kind (and goes
+to ``on_error`` at once). Real servers on real ports throughout."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
+from conftest import wait_for
 
-from recorder_client import (
-    InvalidChunkError,
-    RolloutRecorder,
-)
+from recorder_client import InvalidChunkError, RolloutRecorder
 from recorder_client.capture_types import CellField, TrajectoryTrainingConfiguration
 
 
@@ -120,3 +121,70 @@ def test_capture_cell_field_missing_raises_at_record(tmp_path):
             assert rec.status().num_recorded_steps == 4
     finally:
         running.stop(grace=0)
+
+
+# -- a refusal that arrives after record() returned ----------------------------------------
+
+
+def refused_later(target: str, session: str, **kwargs) -> tuple[RolloutRecorder, RolloutRecorder]:
+    """Worker "a" stores int32 actions; worker "b" then records int64 ones, which only the
+    server can refuse (the session's dtype is another worker's). Returns (a, b) once b's
+    chunk is answered."""
+    a = RolloutRecorder(target=target, session=session, worker_id="a")
+    a.record(chunk())
+    a.flush()
+    b = RolloutRecorder(target=target, session=session, worker_id="b", **kwargs)
+    assert b.record(chunk(adtype=np.int64))  # record() cannot know: it returns True
+    assert wait_for(lambda: b.stats.chunks_acked == 1, timeout=10)
+    return a, b
+
+
+CALLS = {
+    "is_full": lambda r: r.is_full,
+    "num_recorded_steps": lambda r: r.num_recorded_steps,
+    "flush": lambda r: r.flush(),
+    "finish": lambda r: r.finish(),
+    "status": lambda r: r.status(),
+    "record": lambda r: r.record(chunk(seed=3)),
+    "close": lambda r: r.close(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_late_refusal_is_raised_by_the_next_call(target, call):
+    a, b = refused_later(target, f"late-{call}")
+    try:
+        with pytest.raises(InvalidChunkError, match="action.dtype: expected int32.*got int64"):
+            CALLS[call](b)
+        if call != "close":  # once per error: the call after it goes through
+            assert b.num_recorded_steps >= 4
+            b.flush()
+            assert b.finish().num_episodes >= 0
+        b.close()
+        # What was acknowledged stays: worker a's chunk, and b's later one if it recorded.
+        steps = a.status().num_recorded_steps
+        assert steps == (8 if call == "record" else 4)
+    finally:
+        b.close()
+        a.close()
+
+
+def test_on_error_gets_the_refusal_at_once_from_the_background(target):
+    seen: list[tuple[BaseException, str]] = []
+    got = threading.Event()
+
+    def on_error(exc: BaseException) -> None:
+        seen.append((exc, threading.current_thread().name))
+        got.set()
+
+    a, b = refused_later(target, "callback", on_error=on_error)
+    try:
+        assert got.wait(10)
+        ((exc, thread),) = seen
+        assert isinstance(exc, InvalidChunkError) and "action.dtype" in str(exc)
+        assert thread != threading.main_thread().name
+        with pytest.raises(InvalidChunkError):  # and it is raised by the next call as well
+            b.flush()
+    finally:
+        b.close()
+        a.close()

@@ -1,0 +1,100 @@
+"""A chunk between record() and its acknowledgement, how it goes on the wire, and what a
+worker's stream counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._messages import array_to_proto
+from ._proto import recorder_pb2 as pb
+from .errors import RecorderError
+
+
+@dataclass
+class PendingChunk:
+    """A chunk between record() and its acknowledgement."""
+
+    sequence: int
+    raw_bytes: int
+    # Host arrays (or device arrays with a host copy under way) until encoded.
+    arrays: dict[str, Any] | None
+    request: pb.RecordRequest | None = None
+    wire_bytes: int = 0
+    # The chunk's layout, which fixes the worker's once the server stores it.
+    schema: Any = None
+    # Its time steps, and its done flags: counted by record() for host arrays (before the
+    # sender threads wake), else at encoding or when asked.
+    length: int = 0
+    dones: int | None = None
+    # Whether `dones` was known when the chunk was queued (it is in the running sum).
+    dones_summed: bool = False
+
+    def count_dones(self) -> int:
+        if self.dones is None:
+            arrays = self.arrays
+            if arrays is not None:
+                self.dones = int(np.count_nonzero(_to_host(arrays["done"])))
+        # Encoding counts them before it lets the arrays go.
+        return self.dones if self.dones is not None else 0
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """A worker's stream so far."""
+
+    chunks_sent: int
+    """Chunk messages sent, resends included."""
+    chunks_acked: int
+    chunks_dropped_full: int
+    """Chunks the session did not store because it was full (max_episodes)."""
+    chunks_dropped_in_flight: int
+    """Chunks dropped at the in-flight cap (on_backpressure="drop")."""
+    raw_bytes: int
+    """Uncompressed bytes of the chunks the server stored."""
+    wire_bytes: int
+    """Bytes those chunks took on the wire."""
+    reconnects: int
+    sequences_lost: int = 0
+    """Acknowledged chunks the server later reported lost (see DataLossError)."""
+
+
+@dataclass
+class SenderStats:
+    chunks_sent: int = 0
+    chunks_acked: int = 0
+    chunks_dropped_full: int = 0
+    chunks_dropped_in_flight: int = 0
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    reconnects: int = 0
+    sequences_lost: int = 0
+    errors: list[RecorderError] = field(default_factory=list)
+
+
+def _to_host(value: Any) -> np.ndarray:
+    return value if isinstance(value, np.ndarray) else np.asarray(value)
+
+
+def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.RecordRequest:
+    """The chunk's request; ``pack``: integer arrays packed where the server takes that."""
+    arrays = item.arrays or {}
+    chunk = pb.Chunk(sequence=item.sequence)
+    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level, pack))
+    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level, pack))
+    done = _to_host(arrays["done"])
+    if done.dtype != np.bool_:
+        done = done.astype(bool)
+    if item.dones is None:
+        item.dones = int(np.count_nonzero(done))
+    chunk.done.CopyFrom(array_to_proto(done, level, pack))
+    if "outcome" in arrays:
+        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level, pack))
+    for name, value in arrays.items():
+        if name.startswith("state:"):
+            chunk.states.append(
+                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
+            )
+    return pb.RecordRequest(chunk=chunk)
