@@ -29,13 +29,13 @@ from recorder_server.store import (
     TrajectoryCaptureProcessor,
     TrajectoryStore,
     build_store,
-    decode_checkpoint_state,
     encode_checkpoint_state,
 )
 from recorder_server.store.merge import (
     merge_archives,
     merge_checkpoints,
     merge_sources,
+    read_checkpoint_state,
     trajectory_source,
 )
 
@@ -169,7 +169,7 @@ def test_merged_shards_hold_what_one_store_fed_everything_holds(config, episodes
     files = [checkpoint(shards[name]) for name in names]
 
     merged_file = merge_archives(files, sources=names, compress=False)
-    merged = decode_checkpoint_state(merged_file)
+    merged = read_checkpoint_state(merged_file)
     assert [s.name for s in merge_sources(merged)] == names
     assert_like_one_store(merged, one, shards)
     # Exact ties go to the first source by name, then its earliest trajectory: one store's
@@ -204,8 +204,8 @@ def test_merged_shards_hold_what_one_store_fed_everything_holds(config, episodes
             sources=[names[0], None],
             compress=False,
         )
-        assert_same_up_to_rounding(decode_checkpoint_state(left), decode_checkpoint_state(right))
-        assert_same_up_to_rounding(decode_checkpoint_state(left), merged)
+        assert_same_up_to_rounding(read_checkpoint_state(left), read_checkpoint_state(right))
+        assert_same_up_to_rounding(read_checkpoint_state(left), merged)
 
 
 def test_the_order_of_inputs_never_changes_a_bit():
@@ -224,7 +224,7 @@ def test_the_order_of_inputs_never_changes_a_bit():
         for order in itertools.permutations(range(3))
     }
     assert len(merged) == 1
-    (sums,) = {decode_checkpoint_state(m)["arrays"]["utility/w"][0] for m in merged}
+    (sums,) = {read_checkpoint_state(m)["arrays"]["utility/w"][0] for m in merged}
     assert sums == (0.1 + 0.2) + 0.3
 
 
@@ -329,7 +329,7 @@ def test_cli_merges_files_atomically_and_summarises(tmp_path):
     assert "4 cells, 5 visits" in done.stdout and "2 sources (node-a, node-b)" in done.stdout
     assert out.read_bytes() == merge_archives([a, b], sources=["node-a", "node-b"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin.zst", "b.bin", "merged.bin.zst"]
-    merged = decode_checkpoint_state(out.read_bytes())
+    merged = read_checkpoint_state(out.read_bytes())
     # Cell 2: node-b reached it with return 2.0 (its step 0), node-a with 1.0.
     store = TrajectoryStore(POS)
     store.load_checkpoint_state(merged)
@@ -342,7 +342,7 @@ def test_cli_merges_files_atomically_and_summarises(tmp_path):
                 "--source", "-", "--source", "-")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "5 cells, 6 visits" in done.stdout
-    names = [s.name for s in merge_sources(decode_checkpoint_state(again.read_bytes()))]
+    names = [s.name for s in merge_sources(read_checkpoint_state(again.read_bytes()))]
     assert names == sorted(["node-a", "node-b", str(c)])
 
 

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from ..durability.files import atomic_write
-from ..store.merge import merge_checkpoints
-from ..store.store import encode_checkpoint_state
+from ..store.merge import encode_checkpoint_file, merge_checkpoints
 
 _DEFAULT_LABEL = "-"
 
@@ -23,7 +22,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         sources = [None if s == _DEFAULT_LABEL else s for s in args.source]
     try:
         state = merge_checkpoints(args.checkpoints, sources=sources)
-        atomic_write(Path(args.output), encode_checkpoint_state(state, args.compress))
+        atomic_write(Path(args.output), encode_checkpoint_file(state, args.compress))
     except (OSError, ValueError) as exc:
         print(f"rollout-recorder store merge: {exc}", file=sys.stderr)
         return 2
@@ -68,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--compress",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="write one zstd frame (default), or the raw container",
+        help="compress the store payload inside the checkpoint frame (default), or not",
     )
     merge.set_defaults(func=cmd_merge)
 

@@ -40,7 +40,7 @@ import numpy as np
 from recorder_client.capture_types import TrajectoryTrainingConfiguration
 
 from ..durability.checkpoint import MAGIC as FRAME_MAGIC
-from ..durability.checkpoint import CheckpointError, decode_checkpoint
+from ..durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .cells import key_bytes
 from .store import CHECKPOINT_FORMAT, decode_checkpoint_state, encode_checkpoint_state
 
@@ -106,9 +106,28 @@ def merge_archives(
     sources: Sequence[str | None] | None = None,
     compress: bool = True,
 ) -> bytes:
-    """The checkpoint file (bytes; a zstd frame when ``compress``) of the merge of
-    ``checkpoints``: see :func:`merge_checkpoints`."""
-    return encode_checkpoint_state(merge_checkpoints(checkpoints, sources=sources), compress)
+    """The checkpoint file of the merge of ``checkpoints`` (see :func:`merge_checkpoints`),
+    in the format a server's store checkpoint has (:func:`encode_checkpoint_file`)."""
+    return encode_checkpoint_file(merge_checkpoints(checkpoints, sources=sources), compress)
+
+
+def encode_checkpoint_file(state: dict[str, Any], compress: bool) -> bytes:
+    """A checkpoint state as the bytes of a server's store checkpoint file (what
+    `trajectory_store_checkpoint_file` downloads and `load_trajectory_store_checkpoint_data`
+    uploads): the store payload, one zstd frame when ``compress``, inside the checksummed
+    checkpoint frame."""
+    return encode_checkpoint(encode_checkpoint_state(state, compress), compress=False)
+
+
+def read_checkpoint_state(data: bytes | bytearray | memoryview, where: str = "checkpoint") -> dict:
+    """The state a store checkpoint file holds: framed (a server's or a merge's file) or a bare
+    payload (as a store's processor encodes it). ValueError naming ``where`` otherwise."""
+    try:
+        if bytes(data[: len(FRAME_MAGIC)]) == FRAME_MAGIC:
+            data = decode_checkpoint(data, source=where)
+        return decode_checkpoint_state(data)
+    except (ValueError, CheckpointError) as exc:
+        raise ValueError(f"{where}: not a trajectory store checkpoint ({exc})") from None
 
 
 def merge_checkpoints(
@@ -160,12 +179,7 @@ def trajectory_source(state: Mapping[str, Any], trajectory_id: int) -> tuple[Mer
 def _parse(data: bytes | bytearray | memoryview, where: str, label: str | None) -> _Input:
     """Decode and check one checkpoint (ValueError naming ``where``): a store payload, or one
     in the checksummed frame clients get it in (`trajectory_store_checkpoint_file`)."""
-    try:
-        if bytes(data[: len(FRAME_MAGIC)]) == FRAME_MAGIC:
-            data = decode_checkpoint(data, source=where)
-        state = decode_checkpoint_state(data)
-    except (ValueError, CheckpointError) as exc:
-        raise ValueError(f"{where}: not a trajectory store checkpoint ({exc})") from None
+    state = read_checkpoint_state(data, where)
     fmt = state.get("format")
     if fmt != CHECKPOINT_FORMAT:
         raise ValueError(f"{where}: format: expected {CHECKPOINT_FORMAT!r}, got {fmt!r}")
