@@ -17,8 +17,11 @@ import grpc
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .dashboard import Dashboard
+from .dashboard.auth import DEFAULT_SESSION_MAX_AGE_S, bearer_only
 from .dataset.sink import DatasetOptions, DatasetSink
 from .durability import Durability, DurabilityOptions, RecoveryReport
+from .extras import require
+from .httpserve import HttpListener
 from .identity import start_cause
 from .lifecycle import Lifecycle
 from .metrics import MetricsConfig, MetricsTracker, NullMetrics
@@ -62,10 +65,15 @@ class ServerOptions:
     metrics_enabled: bool = True
     """False: keep no metrics at all (the baseline the metrics cost is measured against)."""
     metrics_listen: str | None = None
-    """HOST:PORT for the Prometheus endpoint, or None for no endpoint."""
+    """HOST:PORT for the Prometheus endpoint, or None for no endpoint. With token_file, it
+    requires the token as ``Authorization: Bearer`` unless metrics_no_auth."""
+    metrics_no_auth: bool = False
+    """Serve the Prometheus endpoint without the token even when token_file is set."""
     http_listen: str | None = None
     """HOST:PORT (port 0 picks a free one) for the dashboard, its JSON API and /metrics; None:
     no dashboard. With token_file, the dashboard requires the token too."""
+    dashboard_session_max_age_s: float = DEFAULT_SESSION_MAX_AGE_S
+    """Seconds a dashboard login cookie stays valid (logout revokes it sooner)."""
     token_file: str | None = None
     """File holding the token every call must carry; None: no token required."""
     tls_cert: str | None = None
@@ -93,6 +101,7 @@ class RunningServer:
         pools: tuple[Offload, Offload],
         *,
         metrics_address: str | None = None,
+        metrics_listener: HttpListener | None = None,
         http_address: str | None = None,
         dashboard: Dashboard | None = None,
         health: Health | None = None,
@@ -108,6 +117,7 @@ class RunningServer:
         self.metrics = metrics
         self.address = address
         self.metrics_address = metrics_address
+        self._metrics_listener = metrics_listener
         self.http_address = http_address
         """HOST:PORT the dashboard listens on (None without one)."""
         self._dashboard = dashboard
@@ -133,6 +143,8 @@ class RunningServer:
         self._stopped = True
         if self._dashboard is not None:
             self._dashboard.close()
+        if self._metrics_listener is not None:
+            self._metrics_listener.close()
         try:
             asyncio.run_coroutine_threadsafe(self._stop_serving(grace), self._loop).result()
         finally:
@@ -184,6 +196,7 @@ def start_server(options: ServerOptions) -> RunningServer:
         credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
     metrics = MetricsTracker(options.metrics) if options.metrics_enabled else NullMetrics()
     metrics_address = None
+    metrics_listener = None
     durability = None
     dashboard = None
     http_address = None
@@ -191,8 +204,11 @@ def start_server(options: ServerOptions) -> RunningServer:
     thread = threading.Thread(target=loop.run_forever, name="recorder-rpc", daemon=True)
     try:
         if options.metrics_listen:
+            metrics_listener = _metrics_listener(options, metrics, token)
             host, _, port = options.metrics_listen.rpartition(":")
-            bound_host, bound_port = metrics.start_http(host or "127.0.0.1", int(port))
+            bound_host, bound_port = metrics_listener.start(
+                host.strip("[]") or "127.0.0.1", int(port)
+            )
             metrics_address = f"{bound_host}:{bound_port}"
         if options.durability.enabled:
             durability = Durability(options.data_dir, options.durability)
@@ -207,7 +223,12 @@ def start_server(options: ServerOptions) -> RunningServer:
         lifecycle = Lifecycle(sessions, durability)
         if options.http_listen:  # before gRPC: a port taken fails the start with nothing running
             host, _, port = options.http_listen.rpartition(":")
-            dashboard = Dashboard(sessions, metrics, token)
+            dashboard = Dashboard(
+                sessions,
+                metrics,
+                token,
+                session_max_age_s=options.dashboard_session_max_age_s,
+            )
             bound_host, bound_port = dashboard.start(host.strip("[]") or "127.0.0.1", int(port))
             shown = f"[{bound_host}]" if ":" in bound_host else bound_host
             http_address = f"{shown}:{bound_port}"
@@ -224,6 +245,8 @@ def start_server(options: ServerOptions) -> RunningServer:
     except BaseException:
         if dashboard is not None:
             dashboard.close()
+        if metrics_listener is not None:
+            metrics_listener.close()
         if durability is not None:
             durability.close()
         metrics.close()
@@ -242,6 +265,7 @@ def start_server(options: ServerOptions) -> RunningServer:
         address,
         pools,
         metrics_address=metrics_address,
+        metrics_listener=metrics_listener,
         http_address=http_address,
         dashboard=dashboard,
         health=health,
@@ -250,6 +274,23 @@ def start_server(options: ServerOptions) -> RunningServer:
         lifecycle=lifecycle,
         dataset=sessions.dataset,
     )
+
+
+def _metrics_listener(options: ServerOptions, metrics, token: str | None) -> HttpListener:
+    """The Prometheus endpoint (--metrics-listen), behind the token when there is one."""
+    if not options.metrics_enabled:
+        raise ValueError("metrics: --metrics-listen needs metrics; the server runs --no-metrics")
+    app = require("prometheus_client", "a Prometheus metrics endpoint").make_wsgi_app(
+        metrics.registry
+    )
+    if token is not None and options.metrics_no_auth:
+        logger.warning(
+            "metrics: --metrics-no-auth: the Prometheus endpoint serves every session's name "
+            "and counters without the token"
+        )
+    elif token is not None:
+        app = bearer_only(app, token)
+    return HttpListener(app, name="metrics-http")
 
 
 async def _serve(

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from ..app import DEFAULT_LISTEN, RunningServer, ServerOptions, start_server
+from ..dashboard.auth import DEFAULT_SESSION_MAX_AGE_S
 from ..dataset.sink import DatasetOptions, default_node_id
 from ..durability import DurabilityOptions
 from ..durability.wal import WALError
@@ -79,6 +80,8 @@ def _options(args: argparse.Namespace) -> ServerOptions:
             **_buckets(args),
         ),
         metrics_listen=args.metrics_listen,
+        metrics_no_auth=args.metrics_no_auth,
+        dashboard_session_max_age_s=args.dashboard_session_max_age,
         http_listen=args.http_listen,
         metrics_enabled=not args.no_metrics,
         durability=DurabilityOptions(
@@ -147,6 +150,16 @@ def _bounds(text: str) -> tuple[float, ...]:
     ):
         raise argparse.ArgumentTypeError(f"expected finite, increasing bounds, got {text!r}")
     return bounds
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
 
 
 def _buckets(args: argparse.Namespace) -> dict[str, tuple[float, ...]]:
@@ -282,12 +295,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="no log and no checkpoints: a crash loses everything (throwaway servers)",
     )
     metrics = serve.add_argument_group("metrics")
-    metrics.add_argument("--metrics-listen", metavar="HOST:PORT", help="Prometheus endpoint")
+    metrics.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="Prometheus endpoint; with --token-file it requires the token "
+        "(Authorization: Bearer, e.g. Prometheus's authorization: credentials_file)",
+    )
+    metrics.add_argument(
+        "--metrics-no-auth",
+        action="store_true",
+        help="serve --metrics-listen without the token even with --token-file (logs a warning)",
+    )
     metrics.add_argument(
         "--http-listen",
         metavar="HOST:PORT",
         help="the live dashboard, its JSON API (/api/sessions) and /metrics on one listener "
         "(port 0 picks one); with --token-file it requires the token",
+    )
+    metrics.add_argument(
+        "--dashboard-session-max-age",
+        type=_positive_seconds,
+        default=DEFAULT_SESSION_MAX_AGE_S,
+        metavar="SECONDS",
+        help="how long a dashboard login cookie stays valid (default %(default)g; "
+        "/logout revokes it sooner)",
     )
     metrics.add_argument(
         "--no-metrics", action="store_true", help="keep no metrics (to measure what they cost)"

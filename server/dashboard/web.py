@@ -1,6 +1,7 @@
 """The dashboard's HTTP listener: the page, its JSON API and (optionally) ``/metrics``.
 
-A threaded wsgiref server on a thread of its own (standard library only). Routes:
+The app is WSGI, served by `HttpListener` (one asyncio loop for every connection, read
+timeouts, a connection cap; standard library only). Routes:
 
 - ``GET /``: the page (``static/index.html``; its script polls the API once a second);
 - ``GET /api/sessions``: every session's counters and current rates;
@@ -9,7 +10,7 @@ A threaded wsgiref server on a thread of its own (standard library only). Routes
   the store's levels;
 - ``GET /api/sessions/NAME/archive``: the cell archive as columns (404 without a store);
 - ``GET /metrics``: the Prometheus exposition of the server's metrics;
-- ``GET|POST /login``, ``GET /logout``: the token form and its cookie;
+- ``GET|POST /login``, ``GET /logout``: the token form and its cookie (logout revokes it);
 - ``GET /static/FILE``: the page's script and style (no data: served without the token).
 
 With a token, every other route answers 401 unless the request carries the token as a bearer
@@ -23,19 +24,17 @@ from __future__ import annotations
 import json
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Mapping
 from importlib import resources
-from socketserver import ThreadingMixIn
 from typing import Any
 from urllib.parse import parse_qs
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..errors import RequestError
+from ..httpserve import HttpListener
 from . import views
-from .auth import TokenGate
+from .auth import DEFAULT_SESSION_MAX_AGE_S, TokenGate
 from .sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -99,17 +98,25 @@ def _finite(obj: Any) -> Any:
 class Dashboard:
     """The dashboard of one server: `start` listens, `close` stops (idempotent)."""
 
-    def __init__(self, sessions, metrics, token: str | None = None) -> None:
+    def __init__(
+        self,
+        sessions,
+        metrics,
+        token: str | None = None,
+        *,
+        session_max_age_s: float = DEFAULT_SESSION_MAX_AGE_S,
+        max_connections: int = 64,
+    ) -> None:
         self._sessions = sessions
         self._metrics = metrics
-        self._gate = TokenGate(token)
+        self._gate = TokenGate(token, session_max_age_s)
+        self._max_connections = max_connections
         self._static = _static_files()
         self.sampler = Sampler(sessions, metrics)
         # session name -> (monotonic time, the session, its archive table or None)
         self._archives: dict[str, tuple[float, Any, dict | None]] = {}
         self._archive_lock = threading.Lock()
-        self._httpd: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._listener: HttpListener | None = None
         self.host = ""
         self.port = 0
 
@@ -117,31 +124,20 @@ class Dashboard:
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Listen on host:port (0: a free one); returns the bound (host, port)."""
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class = _Server6 if family == socket.AF_INET6 else _Server
-        self._httpd = make_server(
-            host, port, self.app, server_class=server_class, handler_class=_QuietHandler
+        listener = HttpListener(
+            self.app, name="dashboard-http", max_connections=self._max_connections
         )
-        self.host, self.port = self._httpd.server_address[:2]
+        self.host, self.port = listener.start(host, port)
+        self._listener = listener
         self.sampler.start()
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name=f"dashboard-http-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
         logger.info("dashboard serving on http://%s:%d/", self.host, self.port)
         return self.host, self.port
 
     def close(self) -> None:
         """Stop serving and sampling; new connections are refused after."""
-        httpd, self._httpd = self._httpd, None
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         self.sampler.close()
 
     # ------------------------------------------------------------------ WSGI
@@ -177,7 +173,7 @@ class Dashboard:
                 "303 See Other",
                 b"",
                 "text/plain",
-                [("Location", "login"), ("Set-Cookie", self._gate.logout_cookie())],
+                [("Location", "login"), ("Set-Cookie", self._gate.logout(environ))],
             )
         if method not in ("GET", "HEAD"):
             return _json("405 Method Not Allowed", {"error": f"method {method} not allowed"})
@@ -359,18 +355,3 @@ class Dashboard:
             self._archives = {k: v for k, v in self._archives.items() if k in live}
             self._archives[name] = (now, session, table)
         return table
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access-log line per request on stderr (the page polls once a second)."""
-
-    def log_message(self, format: str, *args: object) -> None:
-        logger.debug("dashboard http: " + format, *args)
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
