@@ -17,6 +17,7 @@ from ._proto import recorder_pb2_grpc as pb_grpc
 from .errors import RecorderUnavailableError, from_rpc_error
 
 _MESSAGE_CAP = 256 << 20
+DEFAULT_KEEPALIVE_S = 10.0
 
 
 class Connection:
@@ -30,6 +31,7 @@ class Connection:
         client_key: PemSource,
         rpc_timeout: float,
         connect_timeout: float,
+        keepalive_seconds: float = DEFAULT_KEEPALIVE_S,
     ) -> None:
         self.target = target
         self.rpc_timeout = rpc_timeout
@@ -43,6 +45,12 @@ class Connection:
             options=[
                 ("grpc.max_receive_message_length", _MESSAGE_CAP),
                 ("grpc.max_send_message_length", _MESSAGE_CAP),
+                # A server that stops answering without closing the connection (a partition,
+                # a blackhole) is noticed by pings: one every keepalive_seconds of a call,
+                # the transport dropped when none is answered within keepalive_seconds more.
+                ("grpc.keepalive_time_ms", int(keepalive_seconds * 1000)),
+                ("grpc.keepalive_timeout_ms", int(keepalive_seconds * 1000)),
+                ("grpc.http2.max_pings_without_data", 0),
             ],
         )
         self._stub = pb_grpc.RecorderStub(self._channel)

@@ -445,6 +445,7 @@ class ChunkSender:
             progressed, self._progress = self._progress or not waiting, False
             self._cond.notify_all()
         reason = err.details() if err is not None else "stream ended"
+        logger.info("stream to %s ended (%s); reconnecting", self._target, reason)
         now = time.monotonic()
         if progressed:
             self._stalled_since, self._backoff = now, 0.0

@@ -112,6 +112,7 @@ class RolloutRecorder:
         connect_timeout: float = 10.0,
         rpc_timeout: float = 300.0,
         reconnect_timeout: float = 60.0,
+        keepalive_seconds: float = 10.0,
         max_bytes_in_flight: int = 256 << 20,
         on_backpressure: str = "block",
         compression_level: int = 1,
@@ -133,6 +134,8 @@ class RolloutRecorder:
             raise ValueError(
                 f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}"
             )
+        if not keepalive_seconds >= 1:
+            raise ValueError(f"keepalive_seconds: expected >= 1, got {keepalive_seconds!r}")
         if max_bytes_in_flight <= 0:
             raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
         raise_loss = raises_on_loss(on_data_loss)
@@ -187,6 +190,7 @@ class RolloutRecorder:
                 client_key=client_key,
                 rpc_timeout=rpc_timeout,
                 connect_timeout=connect_timeout,
+                keepalive_seconds=keepalive_seconds,
             )
             self._sequence = self._first_join(connect_timeout)
             self._sender = ChunkSender(

@@ -306,6 +306,11 @@ async def _serve(
             ("grpc.max_receive_message_length", options.max_message_bytes),
             ("grpc.max_send_message_length", options.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # Clients ping every keepalive_seconds to find a server that stopped answering
+            # (client/_connection.py): take their pings, however often, without a GOAWAY.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+            ("grpc.http2.max_ping_strikes", 0),
         ],
         # The token first: a call without it learns nothing else.
         interceptors=[

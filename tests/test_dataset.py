@@ -30,7 +30,7 @@ from recorder_client.dataset import episode_files, filesystem, open_dataset, rea
 from recorder_client.errors import RecorderError
 from recorder_server import ServerOptions, start_server
 from recorder_server.dataset import layout
-from recorder_server.dataset.sink import DatasetOptions
+from recorder_server.dataset.sink import DatasetOptions, storage_options
 
 T, N = 16, 3
 STATES = ("player_positions", "player_inventory")
@@ -446,6 +446,8 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
             return server.metrics.snapshot().get("Recorder/dataset_write_failures/session=s", 0)
 
         assert wait_for(lambda: failures() >= 2, 20)
+        lag = server.metrics.snapshot()["Recorder/dataset_lag_seconds/session=s"]
+        assert lag > 0.5  # seconds since the dataset last held every finished episode
         waiting = shown()
         assert waiting["uri"] == uri and waiting["node"] == "n1"
         assert waiting["write_failures"] >= 2 and waiting["episodes_written"] == 0
@@ -456,12 +458,29 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
         snapshot = server.metrics.snapshot()
         assert snapshot["Recorder/dataset_episodes_written/session=s"] == expected.num_episodes
         assert snapshot["Recorder/dataset_pending_episodes/session=s"] == 0
+        assert snapshot["Recorder/dataset_lag_seconds/session=s"] == 0
         done = shown()
         assert done["episodes_written"] == expected.num_episodes
         assert done["episodes_waiting"] == 0 and done["bytes_written"] > 0
         rec.close()
     finally:
         server.stop(grace=0)
+
+
+def test_s3_writes_time_out_and_leave_retries_to_the_sink():
+    s3 = storage_options(DatasetOptions(uri="s3://b/p", node_id="n", io_timeout=3.0))
+    assert s3["config_kwargs"] == {
+        "connect_timeout": 3.0,
+        "read_timeout": 3.0,
+        "retries": {"max_attempts": 2},
+    }
+    given = DatasetOptions(
+        uri="s3://b/p", node_id="n", storage_options={"config_kwargs": {"read_timeout": 30}}
+    )
+    assert storage_options(given)["config_kwargs"]["read_timeout"] == 30  # the caller's wins
+    assert storage_options(DatasetOptions(uri="/tmp/d", node_id="n")) == {}
+    with pytest.raises(ValueError, match="--dataset-retry-max-seconds"):
+        DatasetOptions(uri="/tmp/d", node_id="n", retry_max_seconds=0)
 
 
 def test_every_dtype_and_trailing_shape_reads_back(tmp_path: Path):

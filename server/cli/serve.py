@@ -98,6 +98,8 @@ def _options(args: argparse.Namespace) -> ServerOptions:
             node_id=args.node_id or default_node_id(),
             flush_seconds=args.dataset_flush_seconds,
             file_bytes=int(args.dataset_file_mib * (1 << 20)),
+            retry_max_seconds=args.dataset_retry_max_seconds,
+            io_timeout=args.dataset_timeout_seconds,
         ),
     )
 
@@ -270,6 +272,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=64.0,
         metavar="MIB",
         help="raw episode bytes per file (a full file is written without waiting); "
+        "default %(default)s",
+    )
+    data.add_argument(
+        "--dataset-retry-max-seconds",
+        type=float,
+        default=8.0,
+        metavar="SECONDS",
+        help="longest wait between retries of a failed write (the backoff doubles from 1 s): "
+        "the dataset catches up within about this once the store answers; default %(default)s",
+    )
+    data.add_argument(
+        "--dataset-timeout-seconds",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="S3: seconds to connect and to wait for each answer before the write is retried; "
         "default %(default)s",
     )
     durable = serve.add_argument_group("durability")

@@ -36,11 +36,24 @@ from .cursor import Intent
 logger = logging.getLogger(__name__)
 
 NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_MAX_BACKOFF_S = 60.0
 # Ingest counts as busy while some session took a chunk (or a call) this recently: a write
 # that is due waits for such a gap, up to twice the flush interval.
 QUIET_S = 0.2
 WRITER_NICE = 10
+
+
+def storage_options(options: DatasetOptions) -> dict:
+    """The filesystem arguments: the caller's, and for S3 the io_timeout and one botocore
+    retry (the sink retries a failed write itself, with its own backoff)."""
+    extra = dict(options.storage_options)
+    if options.uri.startswith(("s3://", "s3a://")):
+        config = {
+            "connect_timeout": options.io_timeout,
+            "read_timeout": options.io_timeout,
+            "retries": {"max_attempts": 2},
+        }
+        extra["config_kwargs"] = {**config, **extra.get("config_kwargs", {})}
+    return extra
 
 
 def default_node_id() -> str:
@@ -73,9 +86,20 @@ class DatasetOptions:
     """Extra fsspec filesystem arguments."""
     stop_timeout: float = 20.0
     """Seconds a stop waits for the last writes (what is left is written on the next start)."""
+    retry_max_seconds: float = 8.0
+    """Longest wait between retries of a failed write (the backoff doubles from 1 s up to
+    this): once the store answers again, the dataset catches up within about this."""
+    io_timeout: float = 10.0
+    """S3: seconds to connect and to wait for each answer (botocore's 60 s would hold a write
+    that long on a store that stopped answering); a timed-out write is retried."""
 
     def __post_init__(self) -> None:
         check_node_id(self.node_id)
+        for name, flag in (("retry_max_seconds", "retry-max"), ("io_timeout", "timeout")):
+            if not getattr(self, name) > 0:
+                raise ValueError(
+                    f"--dataset-{flag}-seconds: expected seconds > 0, got {getattr(self, name)}"
+                )
         if not self.flush_seconds > 0:
             raise ValueError(
                 f"--dataset-flush-seconds: expected seconds > 0, got {self.flush_seconds}"
@@ -90,13 +114,14 @@ class _State:
     steps_at_flush: int = 0
     failures: int = 0
     retry_at: float = 0.0
+    caught_up: float = field(default_factory=time.monotonic)
 
 
 class DatasetSink:
     def __init__(self, options: DatasetOptions, sessions: Any, metrics: Any) -> None:
         self.options = options
         self.node = check_node_id(options.node_id)
-        self.fs, self.root = client_dataset.filesystem(options.uri, options.storage_options)
+        self.fs, self.root = client_dataset.filesystem(options.uri, storage_options(options))
         self.sessions = sessions
         self.metrics = metrics
         self._states: dict[str, _State] = {}
@@ -166,8 +191,9 @@ class DatasetSink:
                 except Exception as exc:  # noqa: BLE001 - retried with backoff
                     self._failed(session.name, exc)
                     state.failures += 1
-                    backoff = min(_MAX_BACKOFF_S, 0.5 * 2**state.failures)
+                    backoff = min(self.options.retry_max_seconds, 0.5 * 2**state.failures)
                     state.retry_at = time.monotonic() + backoff
+                    self._lag(session.name, state, waiting=True)
                 state.last_flush = now
             names = {s.name for s in live}
             for name in [n for n in self._states if n not in names]:
@@ -228,6 +254,14 @@ class DatasetSink:
                 for w, tl in session.workers.items()
             )
         self.metrics.set("Recorder/dataset_pending_episodes", waiting, session=session.name)
+        self._lag(session.name, state, waiting=waiting > 0)
+
+    def _lag(self, name: str, state: _State, *, waiting: bool) -> None:
+        """Seconds since the dataset last held every finished episode of the session."""
+        now = time.monotonic()
+        if not waiting:
+            state.caught_up = now
+        self.metrics.set("Recorder/dataset_lag_seconds", now - state.caught_up, session=name)
 
     @staticmethod
     def _journal(session: Any, record: list) -> None:

@@ -86,6 +86,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         GAUGE,
         "Finished episodes not yet in the dataset, after the latest flush.",
     ),
+    MetricSpec(
+        "Recorder/dataset_lag_seconds",
+        GAUGE,
+        "Seconds since the dataset last held every finished episode (0: caught up).",
+    ),
     # -- episodes
     MetricSpec(
         "Episode/return",
