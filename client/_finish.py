@@ -21,7 +21,7 @@ import numpy as np
 from . import _wire
 from ._proto import recorder_pb2 as pb
 from .errors import DataLossError, RecorderError
-from .trajectory import Trajectory
+from .trajectory import Trajectory, partial_names
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,18 @@ class _Outputs:
             worker_ids=list(h.worker_ids),
             corrupt_chunks=list(h.corrupt_chunks),
             num_corrupt_chunks=h.num_corrupt_chunks,
+            episode_partial=self._partial(),
         )
+
+    def _partial(self) -> np.ndarray | None:
+        partial = self.header.partial
+        if not partial:
+            return None
+        if len(partial) != self.lengths.size:
+            raise RecorderError(
+                f"Finish: expected {self.lengths.size} partial flags, got {len(partial)}"
+            )
+        return partial_names(np.asarray(partial, dtype=np.int64))
 
 
 class _WorkerRows:

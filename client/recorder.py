@@ -430,8 +430,13 @@ class RolloutRecorder:
         self._raise_async_errors()
         return self._sender.counters()[1]
 
-    def finish(self, pad_incomplete: bool = True) -> Trajectory:
+    def finish(self, pad_incomplete: bool = True, include_partial: bool = False) -> Trajectory:
         """The padded trajectory of every episode in the session (does not clear).
+
+        Chunks lost after their ack (a sequence gap) cut every open episode of their worker:
+        the piece before the gap is an unfinished tail (kept with ``pad_incomplete``), the
+        piece after it up to its env's next done starts unknown (kept with
+        ``include_partial``); ``episode_partial`` says which, and nothing spans a gap.
 
         Raises NoDataError (a ValueError) when nothing was recorded or no episode
         was found, with the in-process recorder's messages. When some chunk it reads
@@ -441,7 +446,10 @@ class RolloutRecorder:
         """
         self.flush()
         request = pb.FinishRequest(
-            session=self.session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
+            session=self.session,
+            pad_incomplete=bool(pad_incomplete),
+            include_partial=bool(include_partial),
+            chunk_frames=True,
         )
         return checked(_assemble(self._connection.download("Finish", request)), self._raise_loss)
 

@@ -70,6 +70,7 @@ def fetch_episodes(
     session: str,
     *,
     pad_incomplete: bool = False,
+    include_partial: bool = False,
     token: str | None = None,
     root_certificates: PemSource = None,
     client_certificate: PemSource = None,
@@ -77,8 +78,8 @@ def fetch_episodes(
     timeout: float = 300.0,
     on_data_loss: str = "raise",
 ) -> Trajectory:
-    """The session's episodes as ``finish()`` returns them, read without joining it as a
-    worker. Raises UnknownSessionError for a name the server does not hold, NoDataError
+    """The session's episodes as ``finish()`` returns them (``include_partial`` as there),
+    read without joining it as a worker. Raises UnknownSessionError for a name the server does not hold, NoDataError
     when it holds no episode, and DataLossError as finish() does (``on_data_loss``).
     ``timeout`` bounds the connection and the whole download."""
     raise_loss = raises_on_loss(on_data_loss)
@@ -87,7 +88,10 @@ def fetch_episodes(
     )
     try:
         request = pb.FinishRequest(
-            session=session, pad_incomplete=bool(pad_incomplete), chunk_frames=True
+            session=session,
+            pad_incomplete=bool(pad_incomplete),
+            include_partial=bool(include_partial),
+            chunk_frames=True,
         )
         return checked(assemble(connection.download("Finish", request)), raise_loss)
     finally:

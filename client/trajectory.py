@@ -11,6 +11,30 @@ from ._wire import RESERVED_NAMES
 
 _META = ("lengths", "episode_worker", "episode_env", "episode_start", "episode_done")
 
+# Why an episode is partial, as bit flags (the wire's FinishHeader.partial, the dataset's
+# `partial` column as names joined by "+"). 0: a whole episode.
+GAP_BEFORE = 1
+"""It starts right after a sequence gap (lost chunks): its true start is unknown."""
+GAP_AFTER = 2
+"""A sequence gap ended it: the steps after its last recorded one were lost."""
+CORRUPT = 4
+"""It reads an acknowledged chunk whose frames did not decode (zeros there)."""
+PARTIAL_NAMES = {GAP_BEFORE: "gap_before", GAP_AFTER: "gap_after", CORRUPT: "corrupt"}
+
+
+def partial_name(flags: int) -> str:
+    """The reason string of a flag set: "" when whole, else names joined by "+"."""
+    return "+".join(name for bit, name in PARTIAL_NAMES.items() if flags & bit)
+
+
+def partial_names(flags: np.ndarray | list[int]) -> np.ndarray:
+    """(B,) reason strings of (B,) flag sets."""
+    flags = np.asarray(flags, dtype=np.int64)
+    names = np.full(flags.size, "", dtype="<U32")
+    for value in np.unique(flags[flags != 0]).tolist():
+        names[flags == value] = partial_name(value)
+    return names
+
 
 class Trajectory:
     """Padded episodes: every array field is (B, T_max, ...).
@@ -19,7 +43,9 @@ class Trajectory:
     attribute under its trajectory name (`player_positions` -> `positions`,
     `map` -> `block_map`, any other name unchanged). Per episode: `lengths`
     (real steps), `episode_worker`, `episode_env`, `episode_start` (step on that
-    worker's time axis) and `episode_done` (a done flag ended it). Steps at or
+    worker's time axis), `episode_done` (a done flag ended it) and
+    `episode_partial` (why the episode is not whole: "" when it is, else
+    "gap_before", "gap_after", "corrupt" or several joined by "+"). Steps at or
     past `lengths[b]` are zero padding, not no-op actions. `corrupt_chunks` names
     the acknowledged chunks whose frames were found not to decode and read as
     zeros here (at most 64 listed; `num_corrupt_chunks` counts them all).
@@ -39,6 +65,7 @@ class Trajectory:
         worker_ids: list[str] | tuple[str, ...] = (),
         corrupt_chunks: list[str] | tuple[str, ...] = (),
         num_corrupt_chunks: int | None = None,
+        episode_partial: np.ndarray | None = None,
     ) -> None:
         self.actions = actions
         self.rewards = rewards
@@ -51,6 +78,9 @@ class Trajectory:
         self.episode_env = episode_env
         self.episode_start = episode_start
         self.episode_done = episode_done
+        if episode_partial is None:
+            episode_partial = np.full(np.shape(lengths)[0], "", dtype="<U32")
+        self.episode_partial = np.asarray(episode_partial, dtype=np.str_)
         self.worker_ids = tuple(worker_ids)
         self.corrupt_chunks = tuple(corrupt_chunks)
         self.num_corrupt_chunks = max(len(self.corrupt_chunks), num_corrupt_chunks or 0)
@@ -106,6 +136,8 @@ class Trajectory:
         for name in _META:
             arrays[name] = getattr(self, name)
         arrays["worker_ids"] = np.asarray(self.worker_ids, dtype=np.str_)
+        if (self.episode_partial != "").any():
+            arrays["episode_partial"] = self.episode_partial
         if self.num_corrupt_chunks:
             arrays["corrupt_chunks"] = np.asarray(self.corrupt_chunks, dtype=np.str_)
             arrays["num_corrupt_chunks"] = np.int64(self.num_corrupt_chunks)
@@ -124,6 +156,9 @@ class Trajectory:
                 corrupt_chunks=[str(m) for m in corrupt],
                 num_corrupt_chunks=(
                     int(data["num_corrupt_chunks"]) if "num_corrupt_chunks" in data.files else 0
+                ),
+                episode_partial=(
+                    data["episode_partial"] if "episode_partial" in data.files else None
                 ),
                 **{name: data[name] for name in _META},
             )

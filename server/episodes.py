@@ -4,6 +4,11 @@ Chunks are kept as they arrived on the wire (compressed); only their episode
 boundaries are computed at ingest. `assemble` rebuilds the padded result the
 in-process recorder returns: chunks joined along time per worker, split per
 environment at the done flags, environment by environment, worker by worker.
+
+A sequence gap (chunks of a worker lost after their ack) cuts the worker's time axis: no
+episode spans it. What a gap ended, or whose start it hid, is kept marked (`GAP_AFTER`,
+`GAP_BEFORE`); the steps on both sides stay on one axis, so starts and lengths still place
+every step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recorder_client._wire import trajectory_name
+from recorder_client.trajectory import CORRUPT, GAP_AFTER, GAP_BEFORE
 
 from .chunks import EncodedArray, Schema
 
@@ -49,6 +55,12 @@ class EpisodeTable:
     env: list[np.ndarray] = field(default_factory=list)
     start: list[np.ndarray] = field(default_factory=list)
     end: list[np.ndarray] = field(default_factory=list)
+    partial: list[np.ndarray] = field(default_factory=list)
+    """uint8 flags per episode: GAP_BEFORE when a gap hid its start, else 0."""
+
+    def __post_init__(self) -> None:
+        if len(self.partial) != len(self.env):  # a table restored without its flags
+            self.partial = [np.zeros(e.size, dtype=np.uint8) for e in self.env]
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not self.env:
@@ -58,7 +70,14 @@ class EpisodeTable:
             self.env = [np.concatenate(self.env)]
             self.start = [np.concatenate(self.start)]
             self.end = [np.concatenate(self.end)]
+            self.partial = [np.concatenate(self.partial)]
         return self.env[0], self.start[0], self.end[0]
+
+    def flags(self) -> np.ndarray:
+        """The partial flags of every episode, in the order of `arrays`."""
+        if not self.arrays()[0].size:
+            return np.zeros(0, dtype=np.uint8)
+        return self.partial[0]
 
 
 class WorkerTimeline:
@@ -78,6 +97,13 @@ class WorkerTimeline:
         self.t_total = 0
         self.open_start: np.ndarray | None = None  # (N,) start of each env's open tail
         self.finished_per_env: np.ndarray | None = None  # (N,) finished episode counts
+        # (N,) whether a sequence gap hid where each env's open episode starts.
+        self.open_partial: np.ndarray | None = None
+        # A gap before the first chunk: the first chunk's open episodes start unknown.
+        self.start_unknown = False
+        # (env, start, end, flags) of each open episode a gap ended (unfinished tails).
+        self.cut_tails: list[tuple[int, int, int, int]] = []
+        self.cuts: list[int] = []  # steps a gap lies just before
         self.table = EpisodeTable()
         self.episodes_finished = 0
         self.raw_bytes = 0
@@ -90,11 +116,12 @@ class WorkerTimeline:
         arrays: dict[str, EncodedArray],
         wire_bytes: int,
         outcome: EncodedArray | None = None,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Store a validated chunk and split it at its done flags.
 
         Returns the (env, start, end) arrays of the episodes this chunk finished,
-        on the worker's time axis.
+        on the worker's time axis, and their partial flags (GAP_BEFORE where a gap
+        hid the start).
         """
         length, n = dones.shape
         if self.num_envs is None:
@@ -102,30 +129,121 @@ class WorkerTimeline:
             self.open_start = np.zeros(n, dtype=np.int64)
             self.finished_per_env = np.zeros(n, dtype=np.int64)
         assert self.open_start is not None and self.finished_per_env is not None
+        open_partial = self._open_partial()
         t0 = self.t_total
         # Sorted by env, then by time: the order finish() lists episodes in. A flat search of
         # the flags copied env-major: np.nonzero of the transposed view is 2-5x as slow.
         env, t = np.divmod(np.flatnonzero(np.ascontiguousarray(dones.T)), length)
         end = t + (t0 + 1)
         start = np.empty_like(end)
+        partial = np.zeros(end.size, dtype=np.uint8)
         if end.size:
             start[1:] = end[:-1]
             first = np.ones(end.size, dtype=bool)
             first[1:] = env[1:] != env[:-1]
             start[first] = self.open_start[env[first]]
+            if self.cuts:
+                partial[first] = np.where(open_partial[env[first]], GAP_BEFORE, 0)
             last = np.ones(end.size, dtype=bool)
             last[:-1] = env[1:] != env[:-1]
             self.open_start[env[last]] = end[last]
+            open_partial[env[last]] = False
             np.add.at(self.finished_per_env, env, 1)
             self.table.env.append(env)
             self.table.start.append(start)
             self.table.end.append(end)
+            self.table.partial.append(partial)
         self.chunks.append(StoredChunk(t0, length, arrays, wire_bytes, outcome))
         self.t_total += length
         self.episodes_finished += int(end.size)
         self.raw_bytes += sum(a.nbytes for a in arrays.values())
         self.wire_bytes += wire_bytes
-        return env, start, end
+        return env, start, end, partial
+
+    def cut(self) -> None:
+        """Chunks of this worker were lost just before its next step (a sequence gap).
+
+        Every open episode ends here as an unfinished tail (GAP_AFTER); what follows, up to
+        each env's next done, starts unknown (GAP_BEFORE). Nothing is joined across.
+        """
+        t = self.t_total
+        if not self.cuts or self.cuts[-1] != t:
+            self.cuts.append(t)
+        if self.num_envs is None:
+            self.start_unknown = True
+            return
+        assert self.open_start is not None
+        open_partial = self._open_partial()
+        for e in np.flatnonzero(self.open_start < t).tolist():
+            flags = GAP_AFTER | (GAP_BEFORE if open_partial[e] else 0)
+            self.cut_tails.append((e, int(self.open_start[e]), t, flags))
+        self.open_start[:] = t
+        open_partial[:] = True
+
+    def _open_partial(self) -> np.ndarray:
+        """(N,) whether a gap hid each env's open start (call once num_envs is known)."""
+        if self.open_partial is None:
+            assert self.num_envs is not None
+            self.open_partial = np.full(self.num_envs, self.start_unknown, dtype=bool)
+        return self.open_partial
+
+    def gap_state(self) -> dict | None:
+        """What a checkpoint keeps of the gaps (None when there were none): plain lists."""
+        if not self.cuts:
+            return None
+        flags = self.table.flags()
+        marked = np.flatnonzero(flags)
+        return {
+            "cuts": list(self.cuts),
+            "start_unknown": self.start_unknown,
+            "open_partial": (
+                [] if self.open_partial is None else np.flatnonzero(self.open_partial).tolist()
+            ),
+            "cut_tails": [list(tail) for tail in self.cut_tails],
+            "marked": [[int(i), int(flags[i])] for i in marked],
+        }
+
+    def load_gap_state(self, state: dict | None) -> None:
+        """Inverse of `gap_state`, after the chunks, table and open starts are restored;
+        ValueError names what does not fit."""
+        n = self.num_envs or 0
+        self.open_partial = None if self.num_envs is None else np.zeros(n, dtype=bool)
+        if state is None:
+            return
+        if not isinstance(state, dict):
+            raise ValueError(f"gaps: expected a mapping, got {type(state).__name__}")
+        t = self.t_total
+        cuts = state.get("cuts", [])
+        if not all(isinstance(c, int) and 0 <= c <= t for c in cuts) or cuts != sorted(cuts):
+            raise ValueError(f"gaps.cuts: expected sorted steps in [0, {t}], got {cuts!r}")
+        self.cuts = list(cuts)
+        self.start_unknown = bool(state.get("start_unknown", False))
+        envs = state.get("open_partial", [])
+        if not all(isinstance(e, int) and 0 <= e < n for e in envs):
+            raise ValueError(f"gaps.open_partial: expected envs in [0, {n}), got {envs!r}")
+        if self.open_partial is not None:
+            self.open_partial[envs] = True
+        tails = []
+        for tail in state.get("cut_tails", []):
+            if not (
+                isinstance(tail, list)
+                and len(tail) == 4
+                and all(isinstance(v, int) for v in tail)
+                and 0 <= tail[0] < n
+                and 0 <= tail[1] < tail[2] <= t
+                and tail[3] & GAP_AFTER
+            ):
+                raise ValueError(f"gaps.cut_tails: expected [env, start, end, flags], got {tail!r}")
+            tails.append(tuple(tail))
+        self.cut_tails = tails
+        env = self.table.arrays()[0]
+        flags = np.zeros(env.size, dtype=np.uint8)
+        for pair in state.get("marked", []):
+            if not (isinstance(pair, list) and len(pair) == 2 and 0 <= pair[0] < env.size):
+                raise ValueError(f"gaps.marked: expected [row < {env.size}, flags], got {pair!r}")
+            flags[pair[0]] = pair[1]
+        if env.size:
+            self.table.partial = [flags]
 
     def oldest_open(self) -> int:
         """The first step some open episode still needs (t_total when none is open)."""
@@ -134,23 +252,42 @@ class WorkerTimeline:
         return int(self.open_start.min())
 
     def episodes(
-        self, pad_incomplete: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(env, start, end, done) of every episode, env by env, in time order."""
+        self, pad_incomplete: bool, include_partial: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(env, start, end, done, partial flags) of every episode, env by env, in time
+        order. Pieces whose start a gap hid only with ``include_partial``; unfinished tails
+        (a gap's or the last one) only with ``pad_incomplete``."""
         env, start, end = self.table.arrays()
+        flags = self.table.flags()
+        if self.cuts and not include_partial:
+            whole = (flags & GAP_BEFORE) == 0
+            env, start, end, flags = env[whole], start[whole], end[whole], flags[whole]
         done = np.ones(env.size, dtype=bool)
         if pad_incomplete and self.num_envs:
             assert self.open_start is not None and self.finished_per_env is not None
+            open_partial = self._open_partial()
+            tails = [t for t in self.cut_tails if include_partial or not t[3] & GAP_BEFORE]
             # The in-process rule: keep the tail when the env never finished an
-            # episode (even an empty one), or when steps follow its last done.
-            keep = (self.finished_per_env == 0) | (self.open_start < self.t_total)
+            # episode (even an empty one), or when steps follow its last done. One a gap
+            # began is kept when it has steps (and partial pieces are asked for).
+            has_steps = self.open_start < self.t_total
+            keep = np.where(
+                open_partial,
+                has_steps & include_partial,
+                (self.finished_per_env == 0) | has_steps,
+            )
             tail_env = np.nonzero(keep)[0].astype(np.int64)
-            env = np.concatenate([env, tail_env])
-            start = np.concatenate([start, self.open_start[tail_env]])
-            end = np.concatenate([end, np.full(tail_env.size, self.t_total, dtype=np.int64)])
-            done = np.concatenate([done, np.zeros(tail_env.size, dtype=bool)])
+            cut = np.asarray(tails, dtype=np.int64).reshape(-1, 4)
+            env = np.concatenate([env, cut[:, 0], tail_env])
+            start = np.concatenate([start, cut[:, 1], self.open_start[tail_env]])
+            end = np.concatenate(
+                [end, cut[:, 2], np.full(tail_env.size, self.t_total, dtype=np.int64)]
+            )
+            done = np.concatenate([done, np.zeros(len(tails) + tail_env.size, dtype=bool)])
+            open_flags = np.where(open_partial[tail_env], GAP_BEFORE, 0)
+            flags = np.concatenate([flags, cut[:, 3], open_flags]).astype(np.uint8)
         order = np.lexsort((start, env))
-        return env[order], start[order], end[order], done[order]
+        return env[order], start[order], end[order], done[order], flags[order]
 
 
 def field_array(chunks: list[StoredChunk], key: str, until: int) -> np.ndarray:
@@ -208,9 +345,20 @@ class Assembly:
     envs: np.ndarray
     starts: np.ndarray
     done: np.ndarray
+    partial: np.ndarray
+    """(B,) uint8 flags: why each episode is not whole (0: it is)."""
     fields: list[FieldOut]
     per_worker: list[WorkerRows]
     _step_index: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def mark_corrupt(self) -> None:
+        """Flag CORRUPT the rows that read a chunk whose frames were found not to decode
+        (call once the chunks the rows need are proved)."""
+        for part in self.per_worker:
+            for chunk in part.needed_chunks():
+                if chunk.corrupt:
+                    hit = (part.start < chunk.t0 + chunk.length) & (chunk.t0 < part.end)
+                    self.partial[part.rows[hit]] |= CORRUPT
 
     def chunk_frames(self) -> list[tuple[int, StoredChunk]] | None:
         """(worker position, chunk) of every chunk the rows need, in stream order; None when
@@ -317,6 +465,7 @@ def assemble(
     max_episodes: int | None,
     schema: Schema,
     state_order: list[str],
+    include_partial: bool = False,
 ) -> Assembly:
     """Plan the padded result: which episode goes to which row, and the fields."""
     if not any(tl.chunks for tl in timelines):
@@ -329,14 +478,15 @@ def assemble(
     for position, tl in enumerate(timelines):
         if not tl.chunks:
             continue
-        env, start, end, done = tl.episodes(pad_incomplete)
+        env, start, end, done, flags = tl.episodes(pad_incomplete, include_partial)
         if max_episodes is not None:
             take = max(0, min(env.size, max_episodes - total))
             env, start, end, done = env[:take], start[:take], end[:take], done[:take]
+            flags = flags[:take]
         rows = np.arange(total, total + env.size, dtype=np.int64)
         total += env.size
         per.append(WorkerRows(position, list(tl.chunks), rows, env, start, end))
-        metas.append((position, env, start, end, done))
+        metas.append((position, env, start, end, done, flags))
     if total == 0:
         raise NoEpisodesError(NO_EPISODES_MESSAGE)
     lengths = np.concatenate([m[3] - m[2] for m in metas])
@@ -356,6 +506,7 @@ def assemble(
         envs=np.concatenate([m[1] for m in metas]),
         starts=np.concatenate([m[2] for m in metas]),
         done=np.concatenate([m[4] for m in metas]),
+        partial=np.concatenate([m[5] for m in metas]).astype(np.uint8),
         fields=fields,
         per_worker=per,
     )

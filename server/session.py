@@ -260,6 +260,8 @@ class Session:
                 lost = acked - held
                 self.last_sequence[worker_id] = acked
                 self.sequences_lost[worker_id] = self.sequences_lost.get(worker_id, 0) + lost
+                with self.lock:  # no episode is joined across the hole
+                    timeline.cut()
                 self.metrics.inc("Recorder/sequences_lost", lost, session=self.name)
                 logger.warning(
                     "session %r, worker %r: chunks %d..%d were acknowledged but are not held "
@@ -385,7 +387,7 @@ class Session:
                             "affected, and the chunk is taken once space is freed",
                         ) from None
                 stored = {k: a for k, a in chunk.arrays.items() if k != "outcome"}
-                env, start, end = timeline.add_chunk(
+                env, start, end, partial = timeline.add_chunk(
                     decoded.dones, stored, chunk.wire_bytes, chunk.arrays.get("outcome")
                 )
                 kept = timeline.chunks[-1]
@@ -415,6 +417,7 @@ class Session:
                         end,
                         timeline.oldest_open(),
                         steps_before,
+                        partial,
                     )
                 )
             raw = sum(a.nbytes for a in stored.values())
@@ -526,13 +529,14 @@ class Session:
             yield
 
     # -- results ---------------------------------------------------------
-    def assemble(self, pad_incomplete: bool) -> Assembly:
+    def assemble(self, pad_incomplete: bool, include_partial: bool = False) -> Assembly:
         with self.lock:
             self.touch()
             try:
                 return assemble(
                     list(self.workers.values()),
                     pad_incomplete=pad_incomplete,
+                    include_partial=include_partial,
                     max_episodes=self.config.max_episodes,
                     schema=dict(self.schema or {}),
                     state_order=list(self.config.state_fields),

@@ -104,20 +104,20 @@ def test_no_core_source_names_grpc_or_protobuf():
 
 def test_a_timeline_splits_chunks_at_done_flags_and_owns_the_open_starts():
     tl = WorkerTimeline("w", 0)
-    env, start, end = tl.add_chunk(_dones(4, 2, [(1, 0)]), {}, 0)
+    env, start, end, _ = tl.add_chunk(_dones(4, 2, [(1, 0)]), {}, 0)
     assert (env.tolist(), start.tolist(), end.tolist()) == ([0], [0], [2])
     assert tl.open_start.tolist() == [2, 0] and tl.oldest_open() == 0
     # Steps 4..6: env 0 ends at 4, env 1 at 6 (its first episode, from step 0).
-    env, start, end = tl.add_chunk(_dones(3, 2, [(0, 0), (2, 1)]), {}, 0)
+    env, start, end, _ = tl.add_chunk(_dones(3, 2, [(0, 0), (2, 1)]), {}, 0)
     assert (env.tolist(), start.tolist(), end.tolist()) == ([0, 1], [2, 0], [5, 7])
     assert tl.open_start.tolist() == [5, 7] and tl.oldest_open() == 5
     assert tl.t_total == 7 and tl.episodes_finished == 3
-    env, start, end, done = tl.episodes(pad_incomplete=True)
+    env, start, end, done, _ = tl.episodes(pad_incomplete=True)
     # Env by env; env 0's tail (steps 5, 6) is kept, env 1's is empty and was finished.
     assert env.tolist() == [0, 0, 0, 1]
     assert start.tolist() == [0, 2, 5, 0] and end.tolist() == [2, 5, 7, 7]
     assert done.tolist() == [True, True, False, True]
-    env, start, end, done = tl.episodes(pad_incomplete=False)
+    env, start, end, done, _ = tl.episodes(pad_incomplete=False)
     assert (env.tolist(), start.tolist(), end.tolist()) == ([0, 0, 1], [0, 2, 0], [2, 5, 7])
 
 
@@ -130,7 +130,7 @@ def test_a_timeline_lists_episodes_env_by_env_at_any_share_of_done_flags(density
     num_envs, opened = 9, [0] * 9
     for c in range(3):
         dones = rng.random((64, num_envs)) < density
-        env, start, end = tl.add_chunk(dones, {}, 0)
+        env, start, end, _ = tl.add_chunk(dones, {}, 0)
         want = []
         for e in range(num_envs):
             for t in np.flatnonzero(dones[:, e]).tolist():
@@ -145,7 +145,7 @@ def test_an_environment_that_never_finished_keeps_its_empty_tail():
     """The in-process rule: a tail is kept when the env never finished, even if empty."""
     tl = WorkerTimeline("w", 0)
     tl.add_chunk(_dones(2, 2, [(1, 1)]), {}, 0)
-    env, start, end, done = tl.episodes(pad_incomplete=True)
+    env, start, end, done, _ = tl.episodes(pad_incomplete=True)
     assert (env.tolist(), start.tolist(), end.tolist(), done.tolist()) == (
         [0, 1],
         [0, 0],

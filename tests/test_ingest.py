@@ -210,7 +210,7 @@ def _items(streams, order):
         t0, arrays, _, _, _ = streams[w][c]
         timeline = timelines.setdefault(w, WorkerTimeline(f"w{w}", w))
         stored = core_chunk(c + 1, {k: v for k, v in arrays.items() if k != "done"})
-        env, start, end = timeline.add_chunk(arrays["done"], stored.arrays, stored.wire_bytes)
+        env, start, end, _ = timeline.add_chunk(arrays["done"], stored.arrays, stored.wire_bytes)
         assert timeline.chunks[-1].t0 == t0
         items.append(
             ChunkEpisodes(

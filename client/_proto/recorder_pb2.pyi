@@ -185,16 +185,18 @@ class RecordAck(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., result: _Optional[_Union[RecordAck.Result, str]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., is_full: _Optional[bool] = ..., num_recorded_steps: _Optional[int] = ..., episodes_finished: _Optional[int] = ..., counters_version: _Optional[int] = ..., counted_through: _Optional[int] = ..., late_refusals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("session", "pad_incomplete", "max_part_bytes", "chunk_frames")
+    __slots__ = ("session", "pad_incomplete", "max_part_bytes", "chunk_frames", "include_partial")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PAD_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     MAX_PART_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     session: str
     pad_incomplete: bool
     max_part_bytes: int
     chunk_frames: bool
-    def __init__(self, session: _Optional[str] = ..., pad_incomplete: _Optional[bool] = ..., max_part_bytes: _Optional[int] = ..., chunk_frames: _Optional[bool] = ...) -> None: ...
+    include_partial: bool
+    def __init__(self, session: _Optional[str] = ..., pad_incomplete: _Optional[bool] = ..., max_part_bytes: _Optional[int] = ..., chunk_frames: _Optional[bool] = ..., include_partial: _Optional[bool] = ...) -> None: ...
 
 class FieldSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -207,7 +209,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FinishHeader(_message.Message):
-    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids", "corrupt_chunks", "num_corrupt_chunks")
+    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids", "corrupt_chunks", "num_corrupt_chunks", "partial")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +221,7 @@ class FinishHeader(_message.Message):
     WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     max_length: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -230,7 +233,8 @@ class FinishHeader(_message.Message):
     worker_ids: _containers.RepeatedScalarFieldContainer[str]
     corrupt_chunks: _containers.RepeatedScalarFieldContainer[str]
     num_corrupt_chunks: int
-    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., corrupt_chunks: _Optional[_Iterable[str]] = ..., num_corrupt_chunks: _Optional[int] = ...) -> None: ...
+    partial: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., corrupt_chunks: _Optional[_Iterable[str]] = ..., num_corrupt_chunks: _Optional[int] = ..., partial: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ArrayPart(_message.Message):
     __slots__ = ("field", "row_start", "array", "row_count")

@@ -145,6 +145,9 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
         if tl.open_start is not None:
             entry["open_start"] = blobs.array(tl.open_start)
             entry["finished_per_env"] = blobs.array(tl.finished_per_env)
+        gaps = tl.gap_state()
+        if gaps is not None:  # where sequence gaps cut its episodes
+            entry["gaps"] = gaps
         tails = session.feeder.state()
         if tl.index in tails:
             entry["feeder"] = {k: blobs.array(v) for k, v in tails[tl.index].items()}
@@ -529,6 +532,10 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
                 raise SnapshotError(f"{what}.open_start: expected steps in [0, {t}]")
             if n and tl.finished_per_env.min() < 0:
                 raise SnapshotError(f"{what}.finished_per_env: expected counts >= 0")
+        try:
+            tl.load_gap_state(entry.get("gaps"))
+        except ValueError as exc:
+            raise SnapshotError(f"{what}.{exc}") from None
         tl.episodes_finished = _count(entry["episodes_finished"], "episodes_finished")
         tl.raw_bytes = _count(entry["raw_bytes"], "raw_bytes")
         tl.wire_bytes = _count(entry["wire_bytes"], "wire_bytes")

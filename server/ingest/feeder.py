@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,6 +71,9 @@ class ChunkEpisodes:
     """The first step some open episode of the worker needs, after this chunk."""
     env_steps_before: int
     """The session's env steps before this chunk (the metrics step)."""
+    partial: np.ndarray | None = None
+    """Per finished episode: its partial flags (non-zero: a sequence gap hid its start);
+    such an episode reaches neither the store nor the metrics."""
 
 
 @dataclass
@@ -78,6 +81,9 @@ class _Worker:
     sums: EpisodeSums
     held: HeldChunks | None
     oldest_open: int = 0
+    corrupt: list[tuple[int, int]] = field(default_factory=list)
+    """Steps [t0, t1) of held chunks whose frames did not decode: no episode over them
+    reaches the store."""
 
 
 @dataclass
@@ -91,6 +97,9 @@ class _Closed:
     """The session's env steps after this chunk: the step its episodes' metrics carry."""
     first_id: int | None = None
     """The store's trajectory id of this chunk's first kept episode, once recorded."""
+    whole: np.ndarray | None = None
+    """Indexes of the chunk's episodes that `finished` and `part` hold (the others are
+    partial: a gap hid their start, or they read corrupt frames); None: all."""
 
 
 class EpisodeFeeder:
@@ -274,7 +283,7 @@ class EpisodeFeeder:
                 closed.append(self._close(item))
             except Exception:
                 self._failed()
-        recorded = self._record([c for c in closed if c.item.env.size])
+        recorded = self._record([c for c in closed if c.finished.lengths.size])
         if self.store is not None:
             self._note_ids(items, closed)
         labels = {"session": self.session}
@@ -307,6 +316,8 @@ class EpisodeFeeder:
             c = by_item.get(id(item))
             if c is not None and c.first_id is not None and c.part is not None:
                 kept = np.flatnonzero(c.part.kept)
+                if c.whole is not None:
+                    kept = c.whole[kept]
                 ids[kept] = c.first_id + np.arange(kept.size)
             with self._ids_lock:
                 self.trajectory_ids.setdefault(item.worker, []).append(ids)
@@ -336,10 +347,14 @@ class EpisodeFeeder:
         num_envs = arrays["reward"].shape[1]
         worker = self._workers.get(item.worker) or self._add(item.worker, EpisodeSums(num_envs))
         env, start, end = item.env, item.start, item.end
+        whole = None if item.partial is None or not item.partial.any() else item.partial == 0
         part = None
         if self.store is not None:
             self._csum = csum = cumsum(arrays["reward"], self._csum)
             self._hold(worker, item.chunk, arrays)
+            whole = self._readable(worker, item, whole)
+            if whole is not None:
+                env, start, end = env[whole], start[whole], end[whole]
             part = worker.held.gather(self._ring.flagged_step, env, start, end)
             truncated = int(env.size - part.kept.sum())
             if truncated:
@@ -350,7 +365,15 @@ class EpisodeFeeder:
                 )
         else:
             csum = cumsum(arrays["reward"])
-        finished = worker.sums.close(csum, arrays.get("outcome"), item.chunk.t0, env, start, end)
+        # Over every episode (partial ones too), so that the open sums restart at each end.
+        finished = worker.sums.close(
+            csum, arrays.get("outcome"), item.chunk.t0, item.env, item.start, item.end
+        )
+        if whole is not None:
+            finished = Finished(
+                finished.returns[whole], finished.lengths[whole], finished.outcomes[whole]
+            )
+            whole = np.flatnonzero(whole)
         worker.oldest_open = item.oldest_open
         if self.buffers is not None:
             # Keyed into the window and held encoded: the decode buffers are free again.
@@ -358,7 +381,26 @@ class EpisodeFeeder:
             arrays.pop("outcome", None)
             self.buffers.give_all(arrays)
         step_after = item.env_steps_before + item.chunk.length * num_envs
-        return _Closed(item, finished, part, step_after)
+        return _Closed(item, finished, part, step_after, whole=whole)
+
+    def _readable(
+        self, worker: _Worker, item: ChunkEpisodes, whole: np.ndarray | None
+    ) -> np.ndarray | None:
+        """``whole`` without the episodes over a chunk whose frames do not decode: the chunk
+        is proved here, before the store reads its episodes (zeros never reach it)."""
+        chunk = item.chunk
+        if chunk.unverified and self.prove is not None:
+            self.prove(chunk)
+        if chunk.corrupt:
+            worker.corrupt.append((chunk.t0, chunk.t0 + chunk.length))
+        if not worker.corrupt:
+            return whole
+        ok = np.ones(item.env.size, dtype=bool) if whole is None else whole.copy()
+        for lo, hi in worker.corrupt:
+            ok &= ~((item.start < hi) & (lo < item.end))
+        # An episode still to finish starts at or after the oldest open step.
+        worker.corrupt = [r for r in worker.corrupt if r[1] > item.oldest_open]
+        return None if ok.all() else ok
 
     def _record(self, closed: list[_Closed]) -> list[_Closed]:
         """Record the chunks' episodes; returns the chunks whose episodes were recorded."""

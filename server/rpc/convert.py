@@ -248,6 +248,8 @@ def finish_header(plan: Assembly, worker_ids: list[str], corrupt: list[str]) -> 
         done=plan.done.tolist(),
         worker_ids=worker_ids,
     )
+    if plan.partial.any():  # none sent when every episode is whole
+        header.partial.extend(plan.partial.tolist())
     for spec in plan.fields:
         shape = (plan.num_episodes, plan.max_length, *spec.trailing)
         header.fields.append(pb.FieldSpec(name=spec.name, dtype=spec.dtype.str, shape=shape))

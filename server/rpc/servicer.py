@@ -215,13 +215,15 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     def _finish_parts(self, request: pb.FinishRequest) -> Iterator[pb.FinishPart | _Gathered]:
         session = self.sessions.get(request.session)
         with session.lock:  # the ids as the plan numbers them
-            plan = session.assemble(request.pad_incomplete)
+            plan = session.assemble(request.pad_incomplete, request.include_partial)
             worker_ids = list(session.workers)
         needed = [c for part in plan.per_worker for c in part.needed_chunks()]
         session.verify(needed)
         # Proved (here, or by the background thread under the lock this waited for): the
         # caller is told which of the chunks its result reads hold zeros for frames.
         corrupt = ["; ".join(c.corrupt) for c in needed if c.corrupt]
+        if corrupt:
+            plan.mark_corrupt()
         yield convert.finish_header(plan, worker_ids, corrupt)
         # The client that asks gathers the result from the stored chunks itself: no decode,
         # gather and re-compress here (most of the server's CPU for a finish()).
