@@ -1,0 +1,227 @@
+"""Sequence gaps cut episodes: no episode is ever joined across chunks lost after their ack.
+
+The truth is the test's own recording: every step a worker really took (lost chunks too),
+walked step by step per environment, split at its done flags and at the holes. Each action
+names its step on that real axis, so a returned row is checked step by step against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import core_chunk
+
+from recorder_client.trajectory import CORRUPT, GAP_AFTER, GAP_BEFORE, partial_name
+from recorder_server.chunks import SessionConfig
+from recorder_server.durability import snapshot
+from recorder_server.errors import RequestError
+from recorder_server.metrics import NullMetrics
+from recorder_server.session import Session
+from recorder_server.sessions import ServiceLimits, Sessions
+
+CONFIG = SessionConfig(None, False, ())
+
+
+def _real_chunks(rng, num_chunks: int, num_envs: int, density: float, worker: int):
+    """(action, reward, done) of each chunk a worker takes; action = the step's id
+    worker * 10**9 + real step * 1000 + env."""
+    chunks, t = [], 0
+    for _ in range(num_chunks):
+        length = int(rng.integers(1, 7))
+        steps = np.arange(t, t + length, dtype=np.int64)[:, None]
+        action = worker * 10**9 + steps * 1000 + np.arange(num_envs, dtype=np.int64)[None, :]
+        done = rng.random((length, num_envs)) < density
+        chunks.append((action, rng.random((length, num_envs)).astype(np.float32), done))
+        t += length
+    return chunks
+
+
+def _truth(chunks, lost: set[int], num_envs: int) -> list[tuple[tuple[int, ...], bool, int]]:
+    """Every piece the recording holds, walked step by step: (action ids, done, flags)."""
+    pieces = []
+    for e in range(num_envs):
+        current: list[int] = []
+        flags, gap = 0, False
+        for c, (action, _reward, done) in enumerate(chunks):
+            if c in lost:
+                if current:
+                    pieces.append((tuple(current), False, flags | GAP_AFTER))
+                current, flags, gap = [], 0, True
+                continue
+            for t in range(action.shape[0]):
+                if not current:
+                    flags = GAP_BEFORE if gap else 0
+                    gap = False
+                current.append(int(action[t, e]))
+                if done[t, e]:
+                    pieces.append((tuple(current), True, flags))
+                    current = []
+        if current:  # the open tail (a hole at the very end left none)
+            pieces.append((tuple(current), False, flags))
+    return pieces
+
+
+def _expected(pieces, pad_incomplete: bool, include_partial: bool):
+    out = []
+    for ids, done, flags in pieces:
+        if flags & GAP_BEFORE and not include_partial:
+            continue
+        if not done and (not pad_incomplete or not ids):
+            continue
+        out.append((ids, done, partial_name(flags)))
+    return out
+
+
+def _rows(plan) -> list[tuple[tuple[int, ...], bool, str]]:
+    """Each row of an Assembly: its actions (real steps only), done and partial reason."""
+    (spec,) = [f for f in plan.fields if f.name == "actions"]
+    flat = np.concatenate([part for _f, _c, part in plan.field_parts(spec, 1 << 30)])
+    ends = np.cumsum(plan.lengths)
+    return [
+        (
+            tuple(int(a) for a in flat[end - n : end]),
+            bool(plan.done[b]),
+            partial_name(int(plan.partial[b])),
+        )
+        for b, (n, end) in enumerate(zip(plan.lengths.tolist(), ends.tolist(), strict=True))
+    ]
+
+
+def _record(session: Session, worker: str, chunks, lost: set[int], first: int = 0, join=None):
+    """Send the chunks from index ``first`` on that are not lost; before each run after a
+    hole, the worker joins again claiming the lost ones acknowledged (what a client does
+    after a torn log tail). ``join(acked)``: how it joins (default: the session's)."""
+    join = join or (lambda acked: session.join(worker, CONFIG, acked))
+    claimed = 0
+    for c in range(first, len(chunks)):
+        if c in lost:
+            claimed = c + 1
+            continue
+        if claimed:
+            join(claimed)
+            claimed = 0
+        action, reward, done = chunks[c]
+        arrays = {"action": action, "reward": reward, "done": done}
+        session.apply(worker, core_chunk(c + 1, arrays))
+    if claimed:
+        join(claimed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_finish_returns_each_contiguous_piece_marked_never_one_across_a_hole(seed):
+    """Random done patterns, random holes (at the start, in the middle, several, at the end):
+    finish() under each option returns exactly the pieces the step-by-step walk finds."""
+    rng = np.random.default_rng(seed)
+    session = Session("s", CONFIG, NullMetrics())
+    truth = []
+    try:
+        for w in range(2):
+            num_envs = int(rng.integers(1, 5))
+            chunks = _real_chunks(rng, int(rng.integers(3, 12)), num_envs, [0.05, 0.3][w], w)
+            lost = {c for c in range(len(chunks)) if rng.random() < 0.25} if w == 0 else set()
+            if seed == 0:
+                lost = {0, 1}  # a hole before anything held
+            session.join(f"w{w}", CONFIG)
+            _record(session, f"w{w}", chunks, lost)
+            truth.append(_truth(chunks, lost, num_envs))
+        for pad in (False, True):
+            for partial in (False, True):
+                want = [p for t in truth for p in _expected(t, pad, partial)]
+                if not want:
+                    continue
+                got = _rows(session.assemble(pad, partial))
+                assert got == want, (pad, partial)
+    finally:
+        session.close()
+
+
+def test_a_hole_ends_the_episode_before_it_and_hides_the_start_of_the_one_after():
+    """One env, chunks 1..3 of 4 steps; chunk 2 lost. Real episode: steps 0..9 (done at 9).
+    Held: steps 0..3 (before the hole) and 8..11; the done at step 9 ends a piece 8..9 whose
+    start is unknown, then 10..11 is an ordinary open tail."""
+    session = Session("s", CONFIG, NullMetrics())
+    try:
+        session.join("w", CONFIG)
+        done = np.zeros((12, 1), dtype=bool)
+        done[9, 0] = True
+        action = np.arange(12, dtype=np.int64)[:, None]
+        reward = np.zeros((12, 1), np.float32)
+        chunks = [(action[i : i + 4], reward[i : i + 4], done[i : i + 4]) for i in (0, 4, 8)]
+        _record(session, "w", chunks, {1})
+        assert session.status().sequences_lost == 1
+        with pytest.raises(RequestError, match="No complete episodes"):
+            session.assemble(False, False)  # no whole episode
+        assert _rows(session.assemble(True, True)) == [
+            ((0, 1, 2, 3), False, "gap_after"),
+            ((8, 9), True, "gap_before"),
+            ((10, 11), False, ""),
+        ]
+        assert _rows(session.assemble(True, False)) == [
+            ((0, 1, 2, 3), False, "gap_after"),
+            ((10, 11), False, ""),
+        ]
+    finally:
+        session.close()
+
+
+def test_the_cut_survives_log_replay_and_a_checkpoint():
+    """A gap accepted live is cut the same after replaying the log, and after restoring a
+    checkpoint of the session (then recording on)."""
+    rng = np.random.default_rng(3)
+    log: list[bytes] = []
+    limits = ServiceLimits(max_sessions=4)
+    live = Sessions(limits, NullMetrics(), journal=lambda parts: log.append(b"".join(parts)))
+    chunks = _real_chunks(rng, 10, 3, 0.2, 0)
+    lost = {3, 4, 7}
+    try:
+        session, _ = live.join("run", CONFIG, "w")
+
+        def join(acked):
+            live.join("run", CONFIG, "w", acked)
+
+        _record(session, "w", chunks[:6], lost, join=join)
+        meta, blobs = snapshot.session_state(session)
+        _record(session, "w", chunks, lost, 6, join=join)
+        want = _expected(_truth(chunks, lost, 3), True, True)
+        assert _rows(session.assemble(True, True)) == want
+        replayed = Sessions(limits, NullMetrics())
+        for record in log:
+            replayed.replay(record)
+        assert _rows(replayed.get("run").assemble(True, True)) == want
+        replayed.close()
+        restored = Session("run", snapshot.session_config(meta), NullMetrics())
+        snapshot.restore_session(restored, meta, snapshot.unpack(snapshot.pack(meta, blobs))[1])
+        restored.active.add("w")
+        _record(restored, "w", chunks, lost, 6)
+        assert _rows(restored.assemble(True, True)) == want
+        assert _rows(restored.assemble(False, False)) == _expected(
+            _truth(chunks, lost, 3), False, False
+        )
+        restored.close()
+    finally:
+        live.close()
+
+
+def test_rows_over_a_corrupt_chunk_are_marked():
+    """A chunk whose action frame fails its proof after the ack: the rows that read it are
+    marked corrupt, the others stay whole."""
+    session = Session("s", CONFIG, NullMetrics())
+    try:
+        session.join("w", CONFIG)
+        done = np.zeros((9, 2), dtype=bool)
+        done[[2, 5, 8], 0] = True
+        done[8, 1] = True
+        action = np.arange(18, dtype=np.int64).reshape(9, 2)
+        reward = np.zeros((9, 2), np.float32)
+        for i, t in enumerate((0, 3, 6)):
+            arrays = {"action": action[t : t + 3], "reward": reward[t : t + 3]}
+            session.apply("w", core_chunk(i + 1, {**arrays, "done": done[t : t + 3]}))
+        middle = session.workers["w"].chunks[1]
+        middle.corrupt = ("chunk 2 of worker 'w' was acknowledged, but its action frame ...",)
+        plan = session.assemble(False)
+        plan.mark_corrupt()
+        # Env 0: 0..2, 3..5 (reads chunk 2), 6..8; env 1: 0..8 (reads chunk 2).
+        assert [partial_name(int(f)) for f in plan.partial] == ["", "corrupt", "", "corrupt"]
+        assert int(plan.partial[1]) == CORRUPT
+    finally:
+        session.close()
