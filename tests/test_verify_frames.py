@@ -248,9 +248,9 @@ class _NoBackground:
 @pytest.mark.parametrize("reader", ["sample_start", "finish"])
 def test_a_reader_proves_what_it_reads_first(target: str, reader: str, monkeypatch) -> None:
     """With the background thread kept away (this in-process server's), the reader proves
-    the frames it reads: a stored episode read back (sample_start's prefix) or finish().
+    the frames it reads: the store's feeder (before it stores an episode) or finish().
     With a store, the cell-key field is decoded before the ack; the other state field is
-    not."""
+    not. The store keeps no episode over a chunk that does not decode (never zeros)."""
     import json
 
     from test_capture_remote import CONFIG, FIELDS, worker_chunks
@@ -282,16 +282,15 @@ def test_a_reader_proves_what_it_reads_first(target: str, reader: str, monkeypat
         requests = [opening, *(pb.RecordRequest(chunk=c) for c in chunks)]
         acks = list(stub.Record(iter(requests), timeout=30))
         assert all(a.result == pb.RecordAck.STORED for a in acks), acks
-        assert corrupt_count(stub, session) == 0  # nothing has read them yet
         with RolloutRecorder(
             target=target, session=session, record_states=True, state_fields=FIELDS, capture=CONFIG
         ) as viewer:
             if reader == "sample_start":
-                start = viewer.capture.sample_start()
-                assert start is not None
-                _, read = start
-                inventory = read.states["player_inventory"]
-                positions = read.states["player_positions"]
+                # Every chunk's inventory frame is broken: the feeder proved each one before
+                # the store could read it, and stored none of their episodes.
+                assert viewer.capture.sample_start() is None
+                assert corrupt_count(stub, session) == len(chunks)
+                return
             else:
                 with pytest.raises(DataLossError, match="player_inventory frame does not") as e:
                     viewer.finish()
