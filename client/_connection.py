@@ -14,7 +14,7 @@ import grpc
 
 from ._credentials import PemSource, make_channel
 from ._proto import recorder_pb2_grpc as pb_grpc
-from .errors import RecorderUnavailableError, from_rpc_error
+from .errors import RecorderUnavailableError, from_rpc_error, handshake_hint
 
 _MESSAGE_CAP = 256 << 20
 DEFAULT_KEEPALIVE_S = 10.0
@@ -55,12 +55,42 @@ class Connection:
         )
         self._stub = pb_grpc.RecorderStub(self._channel)
 
-    def call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary call; RecorderError subclasses on failure."""
+    def call(
+        self, method: str, request: Any, timeout: float | None = None, *, wait: bool = True
+    ) -> Any:
+        """A unary call; RecorderError subclasses on failure. A server that cannot be reached
+        (one restarting) is waited for up to connect_timeout, then RecorderUnavailableError;
+        ``wait=False`` fails at once."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=timeout or self.rpc_timeout)
+            except grpc.RpcError as err:
+                if not (wait and _waitable(err)):
+                    raise from_rpc_error(err, self.target) from None
+                if not self._reachable_by(deadline):
+                    raise self._unreachable(err) from None
+
+    def _reachable_by(self, deadline: float) -> bool:
+        """Whether the server can be reached again before the deadline (the failed call is
+        then made again: most often one the server never got)."""
+        ready = grpc.channel_ready_future(self._channel)
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.rpc_timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
+            ready.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except grpc.FutureTimeoutError:
+            ready.cancel()
+            return False
+        # Reachable, and refusing as unavailable (a server still starting or stopping):
+        # a pause before the next try, which the deadline bounds.
+        time.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+        return time.monotonic() < deadline
+
+    def _unreachable(self, err: grpc.RpcError) -> RecorderUnavailableError:
+        details = err.details() or ""
+        return RecorderUnavailableError(
+            f"recorder server at {self.target} unreachable within {self.connect_timeout}s "
+            f"({details}){handshake_hint(details)}"
+        )
 
     def call_async(
         self, method: str, request: Any, done: Callable[[Any], None], timeout: float | None = None
@@ -103,11 +133,21 @@ class Connection:
                 raise from_rpc_error(err, self.target) from None
 
     def download(self, method: str, request: Any) -> Iterator[Any]:
-        """The messages of a server-streaming call, read to the end."""
-        try:
-            yield from getattr(self._stub, method)(request, timeout=self.rpc_timeout)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, self.target) from None
+        """The messages of a server-streaming call, read to the end; a server that cannot be
+        reached before the first message is waited for as in call()."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            started = False
+            try:
+                for message in getattr(self._stub, method)(request, timeout=self.rpc_timeout):
+                    started = True
+                    yield message
+                return
+            except grpc.RpcError as err:
+                if started or not _waitable(err):
+                    raise from_rpc_error(err, self.target) from None
+                if not self._reachable_by(deadline):
+                    raise self._unreachable(err) from None
 
     def upload(self, method: str, requests: Iterable[Any]) -> Any:
         """A client-streaming call."""
@@ -122,3 +162,12 @@ class Connection:
 
     def close(self) -> None:
         self._channel.close()
+
+
+def _waitable(err: grpc.RpcError) -> bool:
+    """Whether a failed call is one to make again once the server is back: unavailable, and
+    not a server that closes the connection's set-up (TLS on one side only)."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = err.details() or ""
+    return not (details.startswith("failed to connect") and handshake_hint(details))

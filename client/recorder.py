@@ -523,6 +523,7 @@ class RolloutRecorder:
                     session=self.session, worker_id=self.worker_id, instance_id=self._instance
                 ),
                 5.0,
+                wait=False,  # leaving a server that is gone is not worth a wait
             )
         except RecorderError as exc:
             logger.info("leaving session %r: %s", self.session, exc)

@@ -1,16 +1,25 @@
 """Errors reach the caller: what the client can check is refused by record() itself, and a
 refusal the server sends later is raised by the recorder's next call of any kind (and goes
-to ``on_error`` at once). Real servers on real ports throughout."""
+to ``on_error`` at once), and the unary calls wait for a restarting server up to
+``connect_timeout``. Real servers on real ports throughout."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
-from conftest import wait_for
+from conftest import RestartableServer, free_port, wait_for
 
-from recorder_client import InvalidChunkError, RolloutRecorder
+from recorder_client import (
+    InvalidChunkError,
+    RecorderUnavailableError,
+    RolloutRecorder,
+    UnknownSessionError,
+    drop_session,
+    list_sessions,
+)
 from recorder_client.capture_types import CellField, TrajectoryTrainingConfiguration
 
 
@@ -188,3 +197,81 @@ def test_on_error_gets_the_refusal_at_once_from_the_background(target):
     finally:
         b.close()
         a.close()
+
+
+# -- unary calls wait for a restarting server ----------------------------------------------
+
+
+def test_unary_calls_wait_for_a_server_that_starts_later(tmp_path):
+    server = RestartableServer(tmp_path / "data")
+    results: dict[str, object] = {}
+
+    def ask(name: str, call) -> None:
+        started = time.monotonic()
+        try:
+            results[name] = (call(), time.monotonic() - started)
+        except Exception as exc:  # recorded for the assertion below
+            results[name] = (exc, time.monotonic() - started)
+
+    threads = [
+        threading.Thread(
+            target=ask, args=("list", lambda: list_sessions(server.address, timeout=60))
+        ),
+        threading.Thread(
+            target=ask, args=("drop", lambda: drop_session(server.address, "nothing", timeout=60))
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)  # both calls are under way, against a port nothing listens on
+    server.start()
+    try:
+        for thread in threads:
+            thread.join(60)
+        sessions, waited = results["list"]
+        assert sessions == [] and waited > 1.4
+        dropped, waited = results["drop"]
+        assert isinstance(dropped, UnknownSessionError) and waited > 1.4  # the server's answer
+
+        # A recorder's status() across a kill -9 and a restart on the same port.
+        with RolloutRecorder(target=server.address, session="restarts", connect_timeout=60) as rec:
+            rec.record(chunk())
+            rec.flush()
+            server.kill()
+            restart = threading.Timer(1.5, server.start)
+            restart.start()
+            started = time.monotonic()
+            status = rec.status()
+            assert time.monotonic() - started > 1.0
+            assert status.num_recorded_steps == 4  # the acknowledged chunk, from the log
+            restart.join()
+    finally:
+        server.stop()
+
+
+def test_unary_calls_against_a_dead_port_wait_connect_timeout_then_name_it(target):
+    dead = f"127.0.0.1:{free_port()}"
+    for call in (
+        lambda: list_sessions(dead, timeout=1.5),
+        lambda: drop_session(dead, "x", timeout=1.5),
+    ):
+        started = time.monotonic()
+        with pytest.raises(RecorderUnavailableError, match=dead) as info:
+            call()
+        assert 1.4 < time.monotonic() - started < 6, info.value
+        assert "1.5" in str(info.value)
+
+
+def test_recorder_status_waits_connect_timeout_for_a_server_gone(tmp_path):
+    from recorder_server import ServerOptions, start_server
+
+    running = start_server(ServerOptions(listen="127.0.0.1:0", data_dir=str(tmp_path / "d")))
+    rec = RolloutRecorder(target=running.address, session="gone", connect_timeout=1.5)
+    try:
+        running.stop(grace=0)
+        started = time.monotonic()
+        with pytest.raises(RecorderUnavailableError, match=running.address):
+            rec.status()
+        assert 1.4 < time.monotonic() - started < 6
+    finally:
+        rec.close()
