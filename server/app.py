@@ -18,6 +18,7 @@ from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 
 from .dashboard import Dashboard
 from .dashboard.auth import DEFAULT_SESSION_MAX_AGE_S, bearer_only
+from .dashboard.episodes import EpisodeWindow
 from .dataset.sink import DatasetOptions, DatasetSink
 from .durability import Durability, DurabilityOptions, RecoveryReport
 from .extras import require
@@ -195,6 +196,8 @@ def start_server(options: ServerOptions) -> RunningServer:
     if options.tls_cert is not None:
         credentials = server_credentials(options.tls_cert, options.tls_key, options.tls_client_ca)
     metrics = MetricsTracker(options.metrics) if options.metrics_enabled else NullMetrics()
+    if options.http_listen:  # the dashboard's recent episodes are kept as they are counted
+        metrics = EpisodeWindow(metrics)
     metrics_address = None
     metrics_listener = None
     durability = None

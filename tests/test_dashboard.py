@@ -24,6 +24,7 @@ import pytest
 
 from recorder_client import CellField, RolloutRecorder, TrajectoryTrainingConfiguration
 from recorder_server import ServerOptions, start_server
+from recorder_server.dashboard.episodes import EpisodeWindow, histogram
 from recorder_server.dashboard.sampler import Sample, history
 from recorder_server.dashboard.views import archive_bins
 from recorder_server.durability import DurabilityOptions
@@ -60,6 +61,22 @@ def walk_chunk(path: list[tuple[int, int]]) -> tuple[dict, dict]:
         "done": done,
     }
     return rollout, {"pos": np.asarray(path, dtype=np.int32).reshape(t, 1, 2)}
+
+
+# A second session, "wide": N=3 environments, each finishing an episode every T=4 steps; the
+# episodes of chunk c return c, so the recent mean differs from the all-time one.
+WIDE_T, WIDE_N, WIDE_CHUNKS = 4, 3, 50
+WIDE_RETURNS = [float(c) for c in range(WIDE_CHUNKS) for _ in range(WIDE_N)]
+
+
+def wide_chunk(c: int) -> dict:
+    done = np.zeros((WIDE_T, WIDE_N), dtype=bool)
+    done[-1] = True
+    return {
+        "action": np.zeros((WIDE_T, WIDE_N), dtype=np.int32),
+        "reward": np.full((WIDE_T, WIDE_N), c / WIDE_T, dtype=np.float32),
+        "done": done,
+    }
 
 
 def recorder(target: str, worker: str) -> RolloutRecorder:
@@ -117,7 +134,16 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 def test_history_rates_and_episode_means_between_samples():
     samples = [
         Sample(100.0, 0, 0, 0, 0, 0, {"episode_count": 0.0}),
-        Sample(101.0, 50, 2_000_000, 1_000_000, 5, 2, {"episode_count": 2, "return_mean": 3.0}),
+        Sample(
+            101.0,
+            50,
+            2_000_000,
+            1_000_000,
+            5,
+            2,
+            {"episode_count": 2, "return_mean": 3.0},
+            env_steps=400,
+        ),
         Sample(
             103.0,
             150,
@@ -126,18 +152,89 @@ def test_history_rates_and_episode_means_between_samples():
             9,
             6,
             {"episode_count": 6, "return_mean": 5.0, "length_mean": 10.0, "cells": 7.0},
+            env_steps=1200,
         ),
         Sample(104.0, 0, 0, 0, 0, 0, {}),  # a reset: no rate at this point
     ]
     h = history(samples)
     assert h["time"] == [101.0, 103.0, 104.0]
+    assert h["env_steps"] == [400, 1200, 0]  # the x axis in env steps
     assert h["steps_s"] == [50.0, 50.0, None]
+    assert h["env_steps_s"] == [400.0, 400.0, None]
     assert h["raw_mb_s"] == [2.0, 2.0, None]
     assert h["wire_mb_s"] == [1.0, 0.5, None]
     assert h["episodes_s"] == [2.0, 2.0, None]
     # The 4 episodes between the 2nd and 3rd sample: (6 * 5 - 2 * 3) / 4 = 6.
     assert h["return_mean"] == [3.0, 6.0, None]
     assert h["cells"] == [None, 7.0, None]
+
+
+def _bucket_counts(values, edges) -> list[int]:
+    """Counts per [edges[i], edges[i + 1]), by comparison (the truth for `histogram`)."""
+    return [sum(1 for v in values if lo <= v < hi) for lo, hi in zip(edges, edges[1:])]
+
+
+@pytest.mark.parametrize(
+    "values, integer",
+    [
+        ([23.0, 31.0, 180.5, 499.0, 500.0, 212.0], False),  # CartPole-sized returns
+        ([-0.73, -0.2, 0.05, 0.31], False),
+        ([7.0, 7.0, 7.0], True),
+        ([12.0, 200.0, 48.0, 1.0, 77.0], True),
+    ],
+)
+def test_histogram_buckets_follow_the_observed_range(values, integer):
+    hist = histogram(np.array(values), integer=integer)
+    edges = hist["edges"]
+    lo, hi = min(values), max(values)
+    width = edges[1] - edges[0]
+    assert edges[0] <= lo < edges[0] + width and edges[-1] - width <= hi < edges[-1]
+    assert 1 <= len(hist["counts"]) <= 2 * 20 + 1
+    if hi > lo:  # about 20 buckets over the range, not a fixed ladder
+        assert width <= 2.5 * (hi - lo) / 20 or (integer and width == 1)
+    if integer:
+        assert width == int(width)
+    assert hist["counts"] == _bucket_counts(values, edges)
+    assert hist["count"] == len(values) and hist["sum"] == pytest.approx(sum(values))
+    assert histogram(np.array([])) is None
+    nan = histogram(np.array([np.nan, 1.0]))
+    assert (nan["count"], nan["nonfinite"], nan["counts"]) == (2, 1, [1])
+
+
+def test_episode_window_keeps_the_last_episodes_of_each_session():
+    class Counting:
+        def __init__(self):
+            self.observed = 0
+            self.forgotten = []
+
+        def inc(self, *a, **k): ...
+        def inc_many(self, *a, **k): ...
+        def set(self, *a, **k): ...
+
+        def observe_episodes(self, returns, lengths, step, **labels):
+            self.observed += len(returns)
+
+        def forget(self, **labels):
+            self.forgotten.append(labels)
+            return 0
+
+        def snapshot(self):
+            return {"x": 1.0}
+
+    inner = Counting()
+    window = EpisodeWindow(inner, keep=10)
+    for i in range(7):
+        window.observe_episodes(np.array([i, i + 0.5]), np.array([3, 4]), i, session="a")
+    window.observe_episodes(np.array([9.0]), np.array([1]), 0, session="b")
+    returns, lengths = window.recent("a")
+    expected = [v for i in range(7) for v in (i, i + 0.5)][-10:]
+    assert returns.tolist() == expected and lengths.tolist() == [3, 4] * 5
+    assert inner.observed == 15 and window.snapshot() == {"x": 1.0}  # passed through
+    window.forget(session="a", worker="w")  # a worker leaving keeps the session's episodes
+    assert window.recent("a")[0].size == 10
+    window.forget(session="a")
+    assert window.recent("a")[0].size == 0 and window.recent("b")[0].tolist() == [9.0]
+    assert inner.forgotten == [{"session": "a", "worker": "w"}, {"session": "a"}]
 
 
 def test_archive_bins_merge_cells_that_share_the_two_fields():
@@ -203,6 +300,7 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     (row,) = json.loads(body)["sessions"]
     assert row["name"] == "walk" and row["store"] is True
     assert row["steps"] == 3 * len(PATHS["w0"]) and row["episodes"] == 3
+    assert row["env_steps"] == 3 * len(PATHS["w0"])  # one environment: T×N = T
 
     status, _, body = http(base + "/api/sessions/walk", token=TOKEN)
     detail = json.loads(body)
@@ -214,7 +312,12 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     (worker,) = detail["worker_table"]
     assert worker["worker_id"] == "w0" and worker["chunks"] == 3 and not worker["active"]
     assert 0 <= time.time() - worker["joined"] < 60
-    assert detail["histograms"]["return"]["count"] == 3
+    assert detail["histograms"]["return"]["count"] == 3 and detail["histograms"]["window"] == 3
+    # Each walk's return: its rewards, linspace(0, 1, T) in float32.
+    walk_return = float(np.linspace(0.0, 1.0, len(PATHS["w0"]), dtype=np.float32).sum())
+    assert detail["recent"]["episodes"] == 3
+    assert detail["recent"]["return_mean"] == pytest.approx(walk_return, rel=1e-6)
+    assert detail["recent"]["length_mean"] == len(PATHS["w0"])
 
     status, _, body = http(base + "/api/sessions/walk/archive", token=TOKEN)
     archive = json.loads(body)
@@ -347,6 +450,9 @@ def test_dashboard_in_headless_chromium(dashboard_server):
             for _ in range(2):
                 rec.record(*walk_chunk(path))
     total_steps = 2 * sum(len(p) for p in PATHS.values())
+    with RolloutRecorder(target=target, session="wide", worker_id="w", token=TOKEN) as rec:
+        for c in range(WIDE_CHUNKS):
+            rec.record(wide_chunk(c))
 
     driver = _browser()
     shots = []
@@ -403,7 +509,7 @@ def test_dashboard_in_headless_chromium(dashboard_server):
 
         # The live counters move while a worker records.
         def steps_shown() -> int:
-            return int(_read(driver, '#counters [data-field="steps"]', "value"))
+            return int(_read(driver, '#counters [data-field="env_steps"]', "value"))
 
         assert steps_shown() == total_steps
         stop = threading.Event()
@@ -425,7 +531,7 @@ def test_dashboard_in_headless_chromium(dashboard_server):
             _wait(
                 driver,
                 lambda d: (
-                    _read(d, '#sessions td[data-field="steps_s"]') not in ("–", "0")
+                    _read(d, '#sessions td[data-field="env_steps_s"]') not in ("–", "0")
                     and _read(d, '#sessions td[data-field="raw_mb_s"]') not in ("–", "0")
                 ),
                 what="no ingest rates shown",
@@ -452,8 +558,71 @@ def test_dashboard_in_headless_chromium(dashboard_server):
             what="the heatmap did not catch up with the recorded steps",
         )
         assert {(x, y) for x, y, _ in drawn()["bins"]} == VISITED
+        check_user_units(driver, base, shots)
     finally:
         driver.quit()
     for shot in shots:
         assert shot.stat().st_size > 0
         print(f"screenshot: {shot}")
+
+
+def check_user_units(driver, base: str, shots: list[Path]) -> None:
+    """The "wide" session (N=3) opened by a link: env steps, the recent and all-time mean
+    returns, histogram buckets over the returns' range, and the x axis toggle."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    # A deep link followed while logged out comes back to its session after the login.
+    driver.delete_all_cookies()
+    driver.get(base + "?session=wide")
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    driver.find_element(By.ID, "submit").click()
+    _wait(driver, lambda d: _read(d, "#session-name") == "wide", what="the link's session")
+    assert driver.current_url.endswith("/?session=wide")
+    headers = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#sessions th')).map(e => e.textContent)"
+    )
+    assert "env steps" in headers and "env steps/s" in headers and "steps" not in headers
+    env_steps = WIDE_T * WIDE_N * WIDE_CHUNKS
+    shown = _read(driver, '#counters [data-field="env_steps"]', "value")
+    assert int(shown) == env_steps
+    assert _read(driver, '#sessions tr[data-session="wide"] td[data-field="env_steps"]') == (
+        f"{env_steps:,}"
+    )
+
+    # The recent mean (its window named on the page) beside the all-time one.
+    recent = WIDE_RETURNS[-100:]
+    assert _read(driver, "#recent-label") == "mean return, last 100 episodes"
+    recent_shown = float(_read(driver, '#counters [data-field="recent_return_mean"]', "value"))
+    assert recent_shown == pytest.approx(sum(recent) / len(recent))
+    all_time = float(_read(driver, '#counters [data-field="return_mean"]', "value"))
+    assert all_time == pytest.approx(sum(WIDE_RETURNS) / len(WIDE_RETURNS))
+
+    # The return histogram's buckets span the returns (0 ... 49), not a fixed ladder.
+    hist = driver.execute_script("return window.rrDashboard.detail.histograms")
+    edges = hist["return"]["edges"]
+    assert hist["window"] == len(WIDE_RETURNS)
+    assert edges[0] <= min(WIDE_RETURNS) and max(WIDE_RETURNS) < edges[-1]
+    assert 8 <= len(edges) - 1 <= 25 and edges[-1] - edges[0] <= 2 * max(WIDE_RETURNS)
+    assert hist["return"]["counts"] == _bucket_counts(WIDE_RETURNS, edges)
+    assert hist["length"]["edges"] == [WIDE_T, WIDE_T + 1]
+
+    # The charts' x axis: env steps, or wall time when toggled (kept in the URL).
+    def chart():
+        return driver.execute_script("return window.rrDashboard.charts['chart-steps']")
+
+    _wait(driver, lambda d: (chart() or {}).get("to") is not None, what="no chart drawn")
+    assert chart()["axis"] == "env_steps" and 0 <= chart()["from"] <= env_steps
+    history_x = driver.execute_script("return window.rrDashboard.detail.history.env_steps")
+    assert history_x[-1] == env_steps and history_x == sorted(history_x)
+    Select(driver.find_element(By.ID, "x-axis")).select_by_value("time")
+    _wait(driver, lambda d: chart()["axis"] == "time", what="the x axis did not toggle")
+    assert chart()["to"] > 1e9  # Unix seconds
+    assert driver.current_url.endswith("/?session=wide&x=time")
+    shots.append(ARTIFACTS / "dashboard-wide.png")
+    driver.save_screenshot(str(shots[-1]))
+
+    # Clicking another session puts it in the URL.
+    driver.find_element(By.CSS_SELECTOR, '#sessions tr[data-session="walk"]').click()
+    _wait(driver, lambda d: _read(d, "#session-name") == "walk", what="the click")
+    assert driver.current_url.endswith("/?session=walk&x=time")

@@ -2,9 +2,10 @@
 
 A timer thread reads what the server already keeps (each `Session.status()` and the metrics
 tracker's `snapshot()`), never the ingest path: one sample costs a session lock held for a
-status copy and one metrics snapshot, whatever the ingest rate. Rates (MB/s, steps/s) and the
-mean return and length of the episodes between two samples come from differences of
-consecutive samples.
+status copy and one metrics snapshot, whatever the ingest rate. Rates (MB/s, env steps/s) and
+the mean return and length of the episodes between two samples come from differences of
+consecutive samples. Env steps are T×N (each worker's time steps times its environments),
+the unit a training run counts samples in.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ RING = 900
 
 # Metric tags a sample reads from the tracker's snapshot (folded with ``/session=NAME``).
 _TAGS = {
-    "env_steps": "Recorder/env_steps",
     "episode_count": "Episode/count",
     "return_mean": "Episode/return_mean",
     "length_mean": "Episode/length_mean",
@@ -52,6 +52,8 @@ class Sample:
     episodes: int
     values: dict[str, float] = field(default_factory=dict)
     """The tracker's values of `_TAGS` for the session (absent without metrics)."""
+    env_steps: int = 0
+    """Sum of T×N over the stored chunks of every worker."""
 
 
 def session_values(snapshot: dict[str, float], session: str) -> dict[str, float]:
@@ -66,6 +68,11 @@ def worker_values(snapshot: dict[str, float], tag: str, session: str) -> dict[st
     return {k[len(head) :]: v for k, v in snapshot.items() if k.startswith(head)}
 
 
+def env_steps(status: SessionStatus) -> int:
+    """T×N over the session's stored chunks (a worker's N is fixed by its first chunk)."""
+    return sum(w.steps * w.num_envs for w in status.workers)
+
+
 def take(status: SessionStatus, values: dict[str, float], now: float) -> Sample:
     return Sample(
         time=now,
@@ -75,6 +82,7 @@ def take(status: SessionStatus, values: dict[str, float], now: float) -> Sample:
         chunks=status.chunks_stored,
         episodes=status.episodes_finished,
         values={name: values[tag] for name, tag in _TAGS.items() if tag in values},
+        env_steps=env_steps(status),
     )
 
 
@@ -98,14 +106,15 @@ def _interval_mean(before: dict[str, float], after: dict[str, float], mean: str)
 
 
 def history(samples: Iterable[Sample]) -> dict[str, list]:
-    """Series over time, one point per pair of consecutive samples (its later time): rates
-    per second, the mean return and length of the episodes finished between the two (None
+    """Series over time, one point per pair of consecutive samples (its later time and its
+    env steps, the two x axes the page offers): rates per second, the mean return and length of the episodes finished between the two (None
     when none did), and the store's levels. A counter that went down (a session reset) gives
     no rate at that point."""
     out: dict[str, list] = {
         k: []
         for k in (
             "time",
+            "env_steps",
             "raw_mb_s",
             "wire_mb_s",
             "steps_s",
@@ -126,10 +135,11 @@ def history(samples: Iterable[Sample]) -> dict[str, list]:
             dt = s.time - previous.time
             pv, sv = previous.values, s.values
             out["time"].append(s.time)
+            out["env_steps"].append(s.env_steps)
             out["raw_mb_s"].append(_rate(previous.raw_bytes, s.raw_bytes, dt, 1e6))
             out["wire_mb_s"].append(_rate(previous.wire_bytes, s.wire_bytes, dt, 1e6))
             out["steps_s"].append(_rate(previous.steps, s.steps, dt))
-            out["env_steps_s"].append(_rate(pv.get("env_steps"), sv.get("env_steps"), dt))
+            out["env_steps_s"].append(_rate(previous.env_steps, s.env_steps, dt))
             out["chunks_s"].append(_rate(previous.chunks, s.chunks, dt))
             out["episodes_s"].append(_rate(previous.episodes, s.episodes, dt))
             out["return_mean"].append(_interval_mean(pv, sv, "return_mean"))

@@ -8,14 +8,15 @@ numbers, non-finite floats as null.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from recorder_client.status import SessionStatus
 
-from .sampler import Sample, history, session_values, worker_values
+from .episodes import RECENT, histogram
+from .sampler import Sample, env_steps, history, session_values, worker_values
 
 
 def _num(x: float) -> float | None:
@@ -34,6 +35,7 @@ def summary(status: SessionStatus, samples: list[Sample], has_store: bool) -> di
         "workers": len(status.workers),
         "active_workers": sum(w.active for w in status.workers),
         "steps": status.num_recorded_steps,
+        "env_steps": env_steps(status),
         "episodes": status.episodes_finished,
         "chunks": status.chunks_stored,
         "chunks_dropped": status.chunks_dropped,
@@ -46,6 +48,7 @@ def summary(status: SessionStatus, samples: list[Sample], has_store: bool) -> di
         "store": has_store,
         "raw_mb_s": _latest_rate(hist["raw_mb_s"]),
         "steps_s": _latest_rate(hist["steps_s"]),
+        "env_steps_s": _latest_rate(hist["env_steps_s"]),
     }
 
 
@@ -66,6 +69,7 @@ def workers(status: SessionStatus, snapshot: Mapping[str, float]) -> list[dict[s
             "chunks_dropped": w.chunks_dropped,
             "sequences_lost": w.sequences_lost,
             "steps": w.steps,
+            "env_steps": w.steps * w.num_envs,
             "episodes": w.episodes_finished,
             "raw_bytes": w.raw_bytes,
             "wire_bytes": w.wire_bytes,
@@ -78,18 +82,36 @@ def detail(
     status: SessionStatus,
     samples: list[Sample],
     snapshot: Mapping[str, float],
-    histograms: dict[str, Any] | None,
+    recent: tuple[np.ndarray, np.ndarray] | None,
     store: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """``/api/sessions/NAME``: the summary, the workers, the series over time, the episode
-    histograms and (with a store) its configuration and latest levels."""
+    """``/api/sessions/NAME``: the summary, the workers, the series over time, the all-time
+    episode totals, the recent episodes (``recent``: their returns and lengths, oldest first;
+    None without them) as a mean and as histograms over their range, and (with a store) its
+    configuration and latest levels."""
     values = session_values(dict(snapshot), status.session)
     out = summary(status, samples, store is not None)
     out["record_states"] = status.record_states
     out["state_fields"] = list(status.state_fields)
     out["worker_table"] = workers(status, snapshot)
     out["history"] = history(samples)
-    out["histograms"] = histograms
+    out["histograms"] = None
+    out["recent"] = None
+    if recent is not None and recent[0].size:
+        returns, lengths = recent
+        last_returns, last_lengths = returns[-RECENT:], lengths[-RECENT:]
+        finite = last_returns[np.isfinite(last_returns)]
+        out["recent"] = {
+            "window": RECENT,
+            "episodes": int(last_returns.size),
+            "return_mean": _num(float(finite.mean())) if finite.size else None,
+            "length_mean": _num(float(last_lengths.mean())),
+        }
+        out["histograms"] = {
+            "window": int(returns.size),
+            "return": histogram(returns),
+            "length": histogram(lengths, integer=True),
+        }
     out["episode_totals"] = {
         k: _num(values[f"Episode/{k}"])
         for k in ("count", "return_mean", "return_min", "return_max", "length_mean")
@@ -138,46 +160,6 @@ def archive(table: Mapping[str, np.ndarray]) -> dict[str, Any]:
         "utilities": [k[len("utility:") :] for k in table if k.startswith("utility:")],
         "columns": columns,
     }
-
-
-def episode_histograms(families: Iterable[Any]) -> dict[str, dict[str, Any]]:
-    """``{session: {"return": {...}, "length": {...}}}`` from prometheus_client metric
-    families (a registry's ``collect()``): each histogram as bucket upper bounds (the last
-    null for +Inf), per-bucket counts (not cumulative), count and sum."""
-    out: dict[str, dict[str, Any]] = {}
-    for family in families:
-        if family.type != "histogram":
-            continue
-        if family.name.endswith("_episode_return"):
-            kind = "return"
-        elif family.name.endswith("_episode_length"):
-            kind = "length"
-        else:
-            continue
-        per: dict[str, dict[str, Any]] = {}
-        for sample in family.samples:
-            session = sample.labels.get("session", "")
-            entry = per.setdefault(session, {"le": [], "cumulative": [], "count": 0, "sum": 0.0})
-            if sample.name.endswith("_bucket"):
-                le = float(sample.labels["le"])
-                entry["le"].append(le)
-                entry["cumulative"].append(sample.value)
-            elif sample.name.endswith("_count"):
-                entry["count"] = int(sample.value)
-            elif sample.name.endswith("_sum"):
-                entry["sum"] = _num(sample.value)
-        for session, entry in per.items():
-            order = np.argsort(entry["le"], kind="stable")
-            bounds = [entry["le"][i] for i in order]
-            cumulative = np.asarray([entry["cumulative"][i] for i in order], dtype=np.float64)
-            counts = np.diff(cumulative, prepend=0.0).astype(np.int64).tolist()
-            out.setdefault(session, {})[kind] = {
-                "bounds": [_num(b) for b in bounds],
-                "counts": counts,
-                "count": entry["count"],
-                "sum": entry["sum"],
-            }
-    return out
 
 
 # How a heatmap bin combines the cells that share its two fields.

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from ..errors import RequestError
 from ..httpserve import HttpListener
@@ -93,6 +93,14 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
+
+
+def _back_to(environ: dict[str, Any]) -> str:
+    """Where a login goes: the page, with the session and x axis the login page's URL named
+    (a deep link followed before logging in), re-encoded from those two keys only."""
+    query = parse_qs(urlsplit(environ.get("HTTP_REFERER", "")).query)
+    kept = {k: query[k][0] for k in ("session", "x") if k in query}
+    return "./?" + urlencode(kept) if kept else "./"
 
 
 class Dashboard:
@@ -235,7 +243,7 @@ class Dashboard:
             "303 See Other",
             b"",
             "text/plain",
-            [("Location", "./"), ("Set-Cookie", self._gate.login_cookie())],
+            [("Location", _back_to(environ)), ("Set-Cookie", self._gate.login_cookie())],
         )
 
     def _prometheus(self) -> _Response:
@@ -277,15 +285,12 @@ class Dashboard:
         session = self._session(name)
         status = session.status()
         snapshot = self._metrics.snapshot()
-        registry = self._registry()
-        histograms = None
-        if registry is not None:
-            histograms = views.episode_histograms(registry.collect()).get(status.session)
+        recent = getattr(self._metrics, "recent", None)  # an EpisodeWindow's
         body = views.detail(
             status,
             self.sampler.samples(status.session),
             snapshot,
-            histograms,
+            None if recent is None else recent(status.session),
             views.store_info(session.config.capture),
         )
         body["dataset"] = self._dataset(session, snapshot)

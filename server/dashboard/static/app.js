@@ -7,8 +7,12 @@
   const ARCHIVE_MS = 2000;
   const COLOURS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c"];
 
+  const query = new URLSearchParams(window.location.search);
   const state = {
     selected: null,      // session name
+    wanted: query.get("session"),  // the session the URL names (a deep link)
+    xAxis: query.get("x") === "time" ? "time" : "env_steps",  // the line charts' x axis
+    charts: {},          // canvas id -> what its x axis spans: {axis, from, to}
     sessions: [],        // /api/sessions rows
     detail: null,        // /api/sessions/NAME
     archive: null,       // /api/sessions/NAME/archive?x=FIELD&y=FIELD: one bin per (x, y)
@@ -50,7 +54,7 @@
   async function get(url) {
     const r = await fetch(url, { credentials: "same-origin", cache: "no-store" });
     if (r.status === 401) {
-      window.location.href = "login";
+      window.location.href = `login${window.location.search}`;  // keeps the deep link
       throw new Error("401");
     }
     if (!r.ok) return null;
@@ -63,11 +67,13 @@
       if (list) {
         state.sessions = list.sessions;
         $("logout").hidden = !list.token_required;
-        if (!state.selected || !list.sessions.some((s) => s.name === state.selected)) {
-          state.selected = list.sessions.length ? list.sessions[0].name : null;
-          state.archive = null;
-          state.heatmap = null;
-        }
+        const has = (name) => name && list.sessions.some((s) => s.name === name);
+        const pick = has(state.wanted) ? state.wanted
+          : has(state.selected) ? state.selected
+          : list.sessions.length ? list.sessions[0].name : null;
+        if (pick !== state.selected) select(pick);
+        $("missing").hidden = !state.wanted || has(state.wanted);
+        $("missing").textContent = `No session ${state.wanted} (the link's); showing ${pick || "none"}.`;
         renderSessions();
         if (state.selected) {
           const name = encodeURIComponent(state.selected);
@@ -97,6 +103,24 @@
     state.archive = await get(`api/sessions/${encodeURIComponent(state.selected)}/archive?${q}`);
   }
 
+  // The selected session and the x axis live in the URL, so a link opens the same view.
+  function updateUrl() {
+    const q = new URLSearchParams();
+    if (state.wanted) q.set("session", state.wanted);
+    if (state.xAxis === "time") q.set("x", "time");
+    const search = q.toString() ? `?${q}` : "";
+    if (search !== window.location.search) {
+      window.history.replaceState(null, "", `${window.location.pathname}${search}`);
+    }
+  }
+
+  function select(name) {
+    state.selected = name;
+    state.archive = null;
+    state.archiveAt = 0;
+    state.heatmap = null;
+  }
+
   // ------------------------------------------------------------------ sessions table
   function renderSessions() {
     const body = $("sessions").tBodies[0];
@@ -107,17 +131,16 @@
       if (s.name === state.selected) tr.className = "selected";
       const cells = [
         [s.name, "name"], [`${s.active_workers}/${s.workers}`, "workers"],
-        [fmt(s.steps), "steps"], [fmt(s.episodes), "episodes"], [fmt(s.chunks), "chunks"],
+        [fmt(s.env_steps), "env_steps"], [fmt(s.episodes), "episodes"], [fmt(s.chunks), "chunks"],
         [fmt(s.chunks_dropped + s.sequences_lost), "dropped"], [fmt(mb(s.raw_bytes), 1), "raw_mb"],
-        [fmt(s.raw_mb_s), "raw_mb_s"], [fmt(s.steps_s, 0), "steps_s"],
+        [fmt(s.raw_mb_s), "raw_mb_s"], [fmt(s.env_steps_s, 0), "env_steps_s"],
         [s.store ? "yes" : "no", "store"], [s.is_full ? "yes" : "no", "full"],
       ];
       for (const [text, field] of cells) tr.appendChild(el("td", text, { "data-field": field }));
       tr.addEventListener("click", () => {
-        state.selected = s.name;
-        state.archive = null;
-        state.archiveAt = 0;
-        state.heatmap = null;
+        state.wanted = s.name;
+        updateUrl();
+        select(s.name);
       });
       body.appendChild(tr);
     }
@@ -129,9 +152,14 @@
     $("session").hidden = !d;
     if (!d) return;
     $("session-name").textContent = d.name;
+    const recent = d.recent;
+    $("recent-label").textContent = recent
+      ? `mean return, last ${fmt(recent.episodes)} episode${recent.episodes === 1 ? "" : "s"}`
+      : "mean return, recent episodes";
     const counters = {
-      steps: d.steps, episodes: d.episodes, chunks: d.chunks, raw_mb: mb(d.raw_bytes),
-      raw_mb_s: d.raw_mb_s, steps_s: d.steps_s,
+      env_steps: d.env_steps, episodes: d.episodes, chunks: d.chunks, raw_mb: mb(d.raw_bytes),
+      raw_mb_s: d.raw_mb_s, env_steps_s: d.env_steps_s,
+      recent_return_mean: recent ? recent.return_mean : null,
       return_mean: d.episode_totals ? d.episode_totals.return_mean : null,
     };
     for (const [field, value] of Object.entries(counters)) {
@@ -140,15 +168,16 @@
       span.dataset.value = value === null || value === undefined ? "" : String(value);
     }
     const h = d.history;
-    lineChart($("chart-mb"), h.time, [
+    lineChart($("chart-mb"), h, [
       { label: "raw", values: h.raw_mb_s }, { label: "wire", values: h.wire_mb_s },
     ]);
-    lineChart($("chart-steps"), h.time, [
-      { label: "steps (T)", values: h.steps_s }, { label: "env steps (T×N)", values: h.env_steps_s },
-    ]);
-    lineChart($("chart-return"), h.time, [{ label: "return", values: h.return_mean }]);
-    lineChart($("chart-length"), h.time, [{ label: "length", values: h.length_mean }]);
+    lineChart($("chart-steps"), h, [{ label: "env steps/s", values: h.env_steps_s }]);
+    lineChart($("chart-return"), h, [{ label: "return", values: h.return_mean }]);
+    lineChart($("chart-length"), h, [{ label: "length", values: h.length_mean }]);
     const hist = d.histograms || {};
+    for (const span of document.querySelectorAll(".hist-window")) {
+      span.textContent = hist.window ? `(last ${fmt(hist.window)} episodes)` : "";
+    }
     barChart($("hist-return"), hist.return);
     barChart($("hist-length"), hist.length);
     renderWorkers(d.worker_table);
@@ -163,7 +192,7 @@
       const cells = [
         w.index, w.worker_id, w.active ? "yes" : "left", ago(w.joined), `${fmt(w.lag_s, 1)} s`,
         w.ack_latency_s === null ? "–" : `${fmt(w.ack_latency_s * 1e3, 1)} ms`,
-        fmt(w.chunks), fmt(w.chunks_dropped), fmt(w.sequences_lost), fmt(w.steps),
+        fmt(w.chunks), fmt(w.chunks_dropped), fmt(w.sequences_lost), fmt(w.env_steps),
         fmt(w.episodes), fmt(mb(w.raw_bytes), 1),
       ];
       for (const text of cells) tr.appendChild(el("td", String(text)));
@@ -196,12 +225,12 @@
     if (!info) return;
     setupSelects(info);
     const h = d.history;
-    lineChart($("chart-cells"), h.time, [{ label: "cells", values: h.cells }]);
-    lineChart($("chart-repo"), h.time, [
+    lineChart($("chart-cells"), h, [{ label: "cells", values: h.cells }]);
+    lineChart($("chart-repo"), h, [
       { label: "bytes", values: h.repository_bytes },
       { label: "cap", values: h.repository_capacity_bytes, dash: [6, 4] },
     ], { format: fmtBytes });
-    lineChart($("chart-midpoint"), h.time, [{ label: "midpoint starts", values: h.midpoint_starts }]);
+    lineChart($("chart-midpoint"), h, [{ label: "midpoint starts", values: h.midpoint_starts }]);
     drawHeatmap();
   }
 
@@ -320,20 +349,28 @@
     return { ctx, w, h };
   }
 
-  function lineChart(canvas, times, series, opts) {
+  // One chart over the history `h`: x is env steps or wall time, as the page's toggle says.
+  function lineChart(canvas, h, series, opts) {
     opts = opts || {};
+    const axis = state.xAxis;
+    const xs = axis === "time" ? h.time : h.env_steps;
     const format = opts.format || ((v) => fmt(v));
-    const { ctx, w, h } = prepare(canvas);
+    const { ctx, w, h: height } = prepare(canvas);
     const pad = { l: 64, r: 10, t: 18, b: 18 };
     let lo = Infinity, hi = -Infinity;
     for (const s of series) for (const v of s.values) if (v !== null && v !== undefined) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
     ctx.fillStyle = "#6b7280";
-    if (!times.length || lo === Infinity) { ctx.fillText("no data yet", pad.l, h / 2); return; }
+    if (!xs.length || lo === Infinity) {
+      state.charts[canvas.id] = { axis, from: null, to: null };
+      ctx.fillText("no data yet", pad.l, height / 2);
+      return;
+    }
     if (lo > 0) lo = 0; // rates and counts read from zero
     if (hi === lo) hi = lo + 1;
-    const t0 = times[0], t1 = Math.max(times[times.length - 1], t0 + 1);
-    const X = (t) => pad.l + ((t - t0) / (t1 - t0)) * (w - pad.l - pad.r);
-    const Y = (v) => h - pad.b - ((v - lo) / (hi - lo)) * (h - pad.t - pad.b);
+    const x0 = Math.min(...xs), x1 = Math.max(Math.max(...xs), x0 + 1);
+    state.charts[canvas.id] = { axis, from: x0, to: x1 };
+    const X = (x) => pad.l + ((x - x0) / (x1 - x0)) * (w - pad.l - pad.r);
+    const Y = (v) => height - pad.b - ((v - lo) / (hi - lo)) * (height - pad.t - pad.b);
     ctx.strokeStyle = "#e5e7eb";
     ctx.textAlign = "right";
     for (let i = 0; i <= 3; i++) {
@@ -341,8 +378,8 @@
       ctx.beginPath(); ctx.moveTo(pad.l, Y(v)); ctx.lineTo(w - pad.r, Y(v)); ctx.stroke();
       ctx.fillText(format(v), pad.l - 4, Y(v) + 4);
     }
+    ctx.fillText(axis === "time" ? `last ${fmt(x1 - x0, 0)} s` : `env steps ${fmt(x0)} … ${fmt(x1)}`, w - pad.r, height - 4);
     ctx.textAlign = "left";
-    ctx.fillText(`${fmt(t1 - t0, 0)} s`, w - pad.r - 40, h - 4);
     series.forEach((s, k) => {
       ctx.strokeStyle = COLOURS[k % COLOURS.length];
       ctx.setLineDash(s.dash || []);
@@ -351,7 +388,7 @@
       let down = false;
       s.values.forEach((v, i) => {
         if (v === null || v === undefined) { down = false; return; }
-        if (down) ctx.lineTo(X(times[i]), Y(v)); else ctx.moveTo(X(times[i]), Y(v));
+        if (down) ctx.lineTo(X(xs[i]), Y(v)); else ctx.moveTo(X(xs[i]), Y(v));
         down = true;
       });
       ctx.stroke();
@@ -362,22 +399,27 @@
     });
   }
 
+  // A histogram whose buckets follow the episodes' range: bucket i is [edges[i], edges[i+1]).
   function barChart(canvas, hist) {
     const { ctx, w, h } = prepare(canvas);
     ctx.fillStyle = "#6b7280";
     if (!hist || !hist.count) { ctx.fillText("no episodes yet", 64, h / 2); return; }
     const pad = { l: 40, r: 10, t: 16, b: 30 };
     const n = hist.counts.length, top = Math.max(...hist.counts, 1);
-    const bw = (w - pad.l - pad.r) / n;
-    ctx.fillText(`${fmt(hist.count)} episodes, mean ${fmt(hist.sum / hist.count)}`, pad.l, 11);
+    const bw = (w - pad.l - pad.r) / Math.max(n, 1);
+    const finite = hist.count - hist.nonfinite;
+    const extra = hist.nonfinite ? ` (${fmt(hist.nonfinite)} not finite)` : "";
+    ctx.fillText(`${fmt(hist.count)} episodes, mean ${fmt(finite ? hist.sum / finite : null)}${extra}`, pad.l, 11);
     ctx.textAlign = "center";
+    const every = Math.ceil((n + 1) / 8);
     hist.counts.forEach((c, i) => {
       const bh = (c / top) * (h - pad.t - pad.b);
       ctx.fillStyle = COLOURS[0];
       ctx.fillRect(pad.l + i * bw + 1, h - pad.b - bh, Math.max(bw - 2, 1), bh);
-      ctx.fillStyle = "#6b7280";
-      const b = hist.bounds[i];
-      if (n <= 16 || i % Math.ceil(n / 16) === 0) ctx.fillText(b === null ? "+∞" : `≤${fmt(b)}`, pad.l + (i + 0.5) * bw, h - pad.b + 12);
+    });
+    ctx.fillStyle = "#6b7280";
+    hist.edges.forEach((e, i) => {
+      if (i % every === 0 || i === n) ctx.fillText(fmt(e), pad.l + i * bw, h - pad.b + 12);
     });
     ctx.textAlign = "right";
     ctx.fillText(fmt(top), pad.l - 4, pad.t + 8);
@@ -389,6 +431,12 @@
     for (const id of ["field-x", "field-y"]) {
       $(id).addEventListener("change", async () => { await fetchArchive(); drawHeatmap(); });
     }
+    $("x-axis").value = state.xAxis;
+    $("x-axis").addEventListener("change", () => {
+      state.xAxis = $("x-axis").value;
+      updateUrl();
+      renderSession();
+    });
     $("heatmap").addEventListener("mousemove", onHover);
     $("heatmap").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
     poll();
