@@ -27,6 +27,7 @@ from recorder_server import ServerOptions, start_server
 from recorder_server.dashboard.episodes import EpisodeWindow, histogram
 from recorder_server.dashboard.sampler import Sample, history
 from recorder_server.dashboard.views import archive_bins
+from recorder_server.dataset.sink import DatasetOptions
 from recorder_server.durability import DurabilityOptions
 
 TOKEN = "dashboard-test-token-0123456789"
@@ -102,6 +103,7 @@ def dashboard_server(tmp_path: Path):
             token_file=str(token_file),
             http_listen="127.0.0.1:0",
             durability=DurabilityOptions(enabled=False),
+            dataset=DatasetOptions(uri=str(tmp_path / "dataset"), node_id="n", flush_seconds=0.2),
         )
     )
     try:
@@ -621,6 +623,21 @@ def check_user_units(driver, base: str, shots: list[Path]) -> None:
     assert driver.current_url.endswith("/?session=wide&x=time")
     shots.append(ARTIFACTS / "dashboard-wide.png")
     driver.save_screenshot(str(shots[-1]))
+
+    # The dataset sink's progress and lag: every episode written, none waiting, no lag left.
+    def dataset(field: str) -> str:
+        return _read(driver, f'#dataset [data-field="{field}"]', "value")
+
+    _wait(
+        driver,
+        lambda d: (
+            dataset("episodes_written") == str(len(WIDE_RETURNS))
+            and dataset("episodes_waiting") == "0"
+        ),
+        what="the dataset did not catch up",
+    )
+    assert _read(driver, "#dataset-uri").endswith("dataset")
+    assert 0 <= float(dataset("lag_seconds")) < 30 and dataset("write_failures") == "0"
 
     # Clicking another session puts it in the URL.
     driver.find_element(By.CSS_SELECTOR, '#sessions tr[data-session="walk"]').click()

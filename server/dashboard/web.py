@@ -298,7 +298,8 @@ class Dashboard:
         return _json("200 OK", body)
 
     def _dataset(self, session, snapshot: Mapping[str, float]) -> dict[str, Any] | None:
-        """Where the session's episodes are written and how far (None without a sink)."""
+        """Where the session's episodes are written, how far and how late (None without a
+        sink)."""
         sink = self._sessions.dataset
         if sink is None:
             return None
@@ -322,6 +323,8 @@ class Dashboard:
             "episodes_waiting": max(0, finished - written),
             "write_failures": int(totals.get("write_failures", 0)),
             "bytes_written": int(totals.get("bytes_written", 0)),
+            # Seconds since the dataset last held every finished episode (None without metrics).
+            "lag_seconds": totals.get("lag_seconds"),
         }
 
     def _archive_json(self, name: str, query: dict[str, list[str]]) -> _Response:

@@ -180,8 +180,26 @@
     }
     barChart($("hist-return"), hist.return);
     barChart($("hist-length"), hist.length);
+    renderDataset(d.dataset);
     renderWorkers(d.worker_table);
     renderStore(d);
+  }
+
+  // The dataset sink's progress and lag (the section is hidden without a sink).
+  function renderDataset(ds) {
+    $("dataset").hidden = !ds;
+    if (!ds) return;
+    $("dataset-uri").textContent = ds.uri;
+    const values = {
+      episodes_written: ds.episodes_written, episodes_waiting: ds.episodes_waiting,
+      lag_seconds: ds.lag_seconds, mb_written: mb(ds.bytes_written),
+      write_failures: ds.write_failures,
+    };
+    for (const [field, value] of Object.entries(values)) {
+      const span = document.querySelector(`#dataset [data-field="${field}"]`);
+      span.textContent = fmt(value, field === "lag_seconds" ? 1 : field === "mb_written" ? 2 : undefined);
+      span.dataset.value = value === null || value === undefined ? "" : String(value);
+    }
   }
 
   function renderWorkers(workers) {
