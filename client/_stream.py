@@ -89,6 +89,9 @@ class ChunkSender:
         # Errors for the caller's on_error, handed over outside the lock.
         self._on_error = on_error
         self._outbox: list[RecorderError] = []
+        # Set with every error for the caller; read on each of its calls without the lock (a
+        # stale True costs one look under it).
+        self.unseen = False
         self._raise_data_loss = raise_data_loss
         # Highest sequence the server acknowledged; sent on every rejoin.
         self._acked = 0
@@ -299,10 +302,6 @@ class ChunkSender:
                 s.sequences_lost,
             )
 
-    def unseen(self) -> bool:
-        """Whether an error waits for the caller (read without the lock, on every call)."""
-        return bool(self.stats.errors) or (self._fatal is not None and not self.fatal_reported)
-
     def take_errors(self) -> list[RecorderError]:
         """The errors the caller has not seen, each handed out once; the stream's failure
         comes after them (record() and flush() raise it on every call as well)."""
@@ -311,6 +310,7 @@ class ChunkSender:
             if not errors and self._fatal is not None and not self.fatal_reported:
                 self.fatal_reported = True
                 errors = [self._fatal]
+            self.unseen = self._fatal is not None and not self.fatal_reported
             return errors
 
     def close(self) -> None:
@@ -529,6 +529,7 @@ class ChunkSender:
     def _fail(self, exc: RecorderError) -> None:
         with self._cond:
             self._fatal = exc
+            self.unseen = True
             if self._on_error is not None:
                 self._outbox.append(exc)
             self._cond.notify_all()
@@ -538,6 +539,7 @@ class ChunkSender:
     def _report(self, error: RecorderError) -> None:
         """An error for the caller's next call, and for on_error (the lock is held)."""
         self.stats.errors.append(error)
+        self.unseen = True
         if self._on_error is not None:
             self._outbox.append(error)
 

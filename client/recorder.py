@@ -270,7 +270,7 @@ class RolloutRecorder:
 
     def _raise_async_errors(self) -> None:
         """Raise what the server refused since the caller last heard (each error once)."""
-        if not self._sender.unseen():
+        if not self._sender.unseen:
             return
         errors = self._sender.take_errors()
         if errors:
@@ -414,7 +414,8 @@ class RolloutRecorder:
     def is_full(self) -> bool:
         """Whether the session's done count reached max_episodes, answered here: see
         num_recorded_steps for what it counts."""
-        self._raise_async_errors()
+        if self._sender.unseen:
+            self._raise_async_errors()
         return self.max_episodes is not None and self._sender.counters()[0]
 
     @property
@@ -427,7 +428,8 @@ class RolloutRecorder:
         in flight for 20 ms, a status that reading this asks for in the background
         (docs/concepts.md, "Semantics"). status() asks the server and waits.
         """
-        self._raise_async_errors()
+        if self._sender.unseen:
+            self._raise_async_errors()
         return self._sender.counters()[1]
 
     def finish(self, pad_incomplete: bool = True, include_partial: bool = False) -> Trajectory:

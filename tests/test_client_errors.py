@@ -16,6 +16,7 @@ from recorder_client import (
     InvalidChunkError,
     RecorderUnavailableError,
     RolloutRecorder,
+    SessionDroppedError,
     UnknownSessionError,
     drop_session,
     list_sessions,
@@ -197,6 +198,26 @@ def test_on_error_gets_the_refusal_at_once_from_the_background(target):
     finally:
         b.close()
         a.close()
+
+
+def test_a_drop_while_idle_is_raised_by_the_next_read_of_is_full(target):
+    """The stream's failure (here the session dropped under an idle worker) is raised once by
+    a read of is_full, and by every record() after it (nothing can be recorded)."""
+    seen: list[BaseException] = []
+    rec = RolloutRecorder(target=target, session="dropped", on_error=seen.append)
+    try:
+        rec.record(chunk())
+        rec.flush()
+        drop_session(target, "dropped")
+        assert wait_for(lambda: seen, timeout=10)
+        assert isinstance(seen[0], SessionDroppedError) and "'dropped'" in str(seen[0])
+        with pytest.raises(SessionDroppedError, match="'dropped' was dropped"):
+            assert not rec.is_full
+        assert rec.is_full is False  # once
+        with pytest.raises(SessionDroppedError):
+            rec.record(chunk(seed=1))
+    finally:
+        rec.close()
 
 
 # -- unary calls wait for a restarting server ----------------------------------------------
