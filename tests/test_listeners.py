@@ -215,8 +215,9 @@ def test_slow_peers_hold_no_threads_and_do_not_block_a_request(tmp_path: Path):
         status, _, body = http(f"http://{address}/api/sessions", token=TOKEN)
         took = time.monotonic() - started
         assert status == 200 and b'"sessions":[]' in body
-        assert took < 1.0, took
         threads = len(os.listdir(f"/proc/{serve.proc.pid}/task"))
+        print(f"300 half-sent requests open: answered in {took:.3f} s; {threads} threads")
+        assert took < 1.0, took
         assert threads < 100, threads
         assert http(f"http://{address}/api/sessions")[0] == 401
     finally:
