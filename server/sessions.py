@@ -286,34 +286,40 @@ class Sessions:
             old.close()
         return session
 
-    def replay(self, data: bytes) -> None:
-        """Apply one write-ahead log record (nothing is logged again)."""
-        try:
-            record = records.decode(data)
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.error("log record not replayed: unreadable (%s)", exc)
-            return
-        try:
-            if record.kind == records.JOIN:
-                join = record.body
-                self.join(record.session, join.config, record.worker, join.acked, log=False)
-                self.get(record.session).identity.restore(record.worker, join.holder)
-            elif record.kind == records.LEAVE:
-                self.leave(record.session, record.worker, expired=bool(record.body), log=False)
-            elif record.kind == records.DROP:
-                self.drop(record.session, log=False)
-            elif record.kind == records.CHUNK:
-                self.get(record.session).apply(record.worker, record.body, log=False)
-            elif record.kind == records.RESET:
-                self.get(record.session).reset(log=False)
-            elif record.kind == records.EPISODE:
-                self.get(record.session).submit_episode(record.body, log=False)
-            elif record.kind == records.DATASET_WRITE:
-                self.get(record.session).dataset.intent(record.body)
-            elif record.kind == records.DATASET_COMMIT:
-                self.get(record.session).dataset.commit(record.body)
-        except RequestError as err:
-            logger.warning("log record for session %r not replayed: %s", record.session, err)
+    def replay(self, record: records.Record | bytes) -> None:
+        """Apply one write-ahead log record (nothing is logged again). A record that does
+        not apply raises RequestError (recovery reports it); one that does not decode,
+        ValueError."""
+        if not isinstance(record, records.Record):
+            record = records.decode(record)
+        if record.kind == records.JOIN:
+            join = record.body
+            self.join(record.session, join.config, record.worker, join.acked, log=False)
+            self.get(record.session).identity.restore(record.worker, join.holder)
+        elif record.kind == records.LEAVE:
+            self.leave(record.session, record.worker, expired=bool(record.body), log=False)
+        elif record.kind == records.DROP:
+            self.drop(record.session, log=False)
+        elif record.kind == records.CHUNK:
+            self.get(record.session).apply(record.worker, record.body, log=False)
+        elif record.kind == records.RESET:
+            self.get(record.session).reset(log=False)
+        elif record.kind == records.EPISODE:
+            self.get(record.session).submit_episode(record.body, log=False)
+        elif record.kind == records.DATASET_WRITE:
+            self.get(record.session).dataset.intent(record.body)
+        elif record.kind == records.DATASET_COMMIT:
+            self.get(record.session).dataset.commit(record.body)
+
+    def discard_all(self) -> None:
+        """Forget every session without a trace (recovery, after a checkpoint that did not
+        restore whole)."""
+        with self._lock:
+            gone = list(self._sessions.values())
+            self._sessions.clear()
+        for session in gone:
+            session.close()
+            self.metrics.forget(session=session.name)
 
     def lock_all(self, stack: ExitStack) -> list[Session]:
         """Hold every lock that guards a change, feeders drained (a consistent checkpoint)."""

@@ -3,7 +3,8 @@ and recovery (newest good checkpoint, then the log after it).
 
 Data directory layout: `wal/` (segments, see wal.py; records, see records.py) and
 `checkpoints/` (`ckpt-<wal index>.rrc`, see checkpoint.py). A checkpoint holds every session
-(snapshot.py) and the log index it covers; the log is truncated behind it.
+(snapshot.py) and the log index it covers. At least two checkpoints are kept, and the log
+behind the older one (recovery.py falls back to it when the newest does not load).
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import json
 import logging
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..periodic import Periodic
-from . import snapshot
+from . import recovery, snapshot
 from .checkpoint import CheckpointDirectory
-from .wal import WriteAheadLog, replay
+from .recovery import RecoveryReport
+from .wal import WriteAheadLog
 
 logger = logging.getLogger(__name__)
 
@@ -37,60 +39,17 @@ class DurabilityOptions:
     batch_window_s: float = 0.05
     # Seconds between timed checkpoints; 0 disables the timer.
     checkpoint_every_s: float = 0.0
-    # Checkpoints kept on disk.
+    # Checkpoints kept on disk: at least two, so that one that does not load has a
+    # fallback.
     keep: int = 3
     segment_bytes: int = 64 << 20
 
-
-@dataclass
-class RecoveryReport:
-    checkpoint: str | None = None
-    sessions: int = 0
-    skipped_checkpoints: list[tuple[str, str]] = field(default_factory=list)
-    replayed_records: int = 0
-    dropped_bytes: int = 0
-    dropped_records: int = 0
-    dropped_segment: str | None = None
-    dropped_offset: int = 0
-    dropped_index: int | None = None
-    """Index the torn record would have had."""
-    corruptions: list[str] = field(default_factory=list)
-    loss_checkpoint: str | None = None
-    """A checkpoint written at once after unreadable records, so that the next start
-    replays from past them and reports nothing again."""
-
-    @property
-    def notable(self) -> bool:
-        return bool(
-            self.checkpoint
-            or self.replayed_records
-            or self.skipped_checkpoints
-            or self.dropped_bytes
-            or self.dropped_records
-            or self.corruptions
-        )
-
-    def lines(self) -> list[str]:
-        out = []
-        for path, reason in self.skipped_checkpoints:
-            out.append(f"skipped checkpoint {path}: {reason}")
-        if self.checkpoint:
-            out.append(f"loaded checkpoint {self.checkpoint} ({self.sessions} sessions)")
-        out.append(f"replayed {self.replayed_records} log records")
-        if self.dropped_bytes or self.dropped_records:
-            index = "" if self.dropped_index is None else f" (index {self.dropped_index})"
-            out.append(
-                f"dropped a torn log tail: {self.dropped_records} record(s){index}, never "
-                f"wholly written: {self.dropped_bytes} bytes at offset {self.dropped_offset} "
-                f"of {self.dropped_segment}"
+    def __post_init__(self) -> None:
+        if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 2:
+            raise ValueError(
+                f"--keep-checkpoints: expected at least 2 (a corrupt newest checkpoint falls "
+                f"back to an older one), got {self.keep!r}"
             )
-        out.extend(f"log corruption: {c}" for c in self.corruptions)
-        if self.loss_checkpoint:
-            out.append(
-                f"wrote checkpoint {self.loss_checkpoint} so that the next start replays from "
-                "past the unreadable records"
-            )
-        return out
 
 
 class Durability:
@@ -104,33 +63,14 @@ class Durability:
 
     # -- recovery ----------------------------------------------------------
     def recover(self, sessions: Any) -> RecoveryReport:
-        """Load the newest readable checkpoint into ``sessions`` (the registry), replay the
-        log after it, then open the log for appending."""
+        """Load the newest checkpoint that loads into ``sessions`` (the registry), replay the
+        log after it, record what was provably lost on the sessions, then open the log for
+        appending."""
         report = RecoveryReport()
-        newest = self.checkpoints.newest_good()
-        report.skipped_checkpoints = [(str(p), str(r)) for p, r in newest.skipped]
-        cut = 0
-        if newest.payload is not None:
-            meta, blobs = snapshot.unpack(newest.payload)
-            cut = int(meta["wal_next_index"])
-            for entry in meta["sessions"]:
-                sessions.restore(json.loads(bytes(blobs[entry["meta"]])), blobs_of(entry, blobs))
-            report.checkpoint = str(newest.path)
-            report.sessions = len(meta["sessions"])
+        cut, newest_skipped = recovery.load_checkpoint(self.checkpoints, sessions, report)
         wal_dir = self.root / "wal"
-        result = replay(wal_dir, start_index=cut)
-        for _index, record in result:
-            sessions.replay(bytes(record))
-            report.replayed_records += 1
-        report.dropped_bytes = result.dropped_bytes
-        report.dropped_records = result.dropped_records
-        report.dropped_segment = (
-            None if result.dropped_segment is None else str(result.dropped_segment)
-        )
-        if result.torn_tail is not None:
-            report.dropped_offset = result.torn_tail.offset
-            report.dropped_index = result.torn_tail.index
-        report.corruptions = [str(c) for c in result.corruptions]
+        result = recovery.replay_log(wal_dir, cut, sessions, report)
+        report.fallback_loss = recovery.fallback_loss(wal_dir, cut, newest_skipped, result)
         self.wal = WriteAheadLog(
             wal_dir,
             fsync=self.options.fsync,
@@ -139,8 +79,9 @@ class Durability:
             start_index=max(cut, result.next_index),
         )
         sessions.drain()
-        if result.corruptions:
-            # Reported once: the next start replays from this checkpoint, past them.
+        causes = recovery.record_causes(sessions, report, result.torn_tail)
+        if report.lossy or causes:
+            # Reported once: the next start replays from this checkpoint, past the loss.
             try:
                 report.loss_checkpoint = str(self.checkpoint(sessions)[0])
             except OSError as exc:
@@ -154,10 +95,12 @@ class Durability:
         self.wal.append(record)
 
     def checkpoint(self, sessions: Any, *, purge: bool = False) -> tuple[Path, int]:
-        """Write every session atomically, then drop the log behind it.
+        """Write every session atomically, then drop the log behind the oldest kept one.
 
-        ``purge``: also delete every older checkpoint and every log record written so far
-        (after a session was dropped: nothing of it stays on disk)."""
+        At least two checkpoints are kept, with the log behind the older: when the newest
+        does not load, recovery falls back to the older and replays the log after it.
+        ``purge`` (after a session was dropped: nothing of it stays on disk): the state is
+        written twice, and every older checkpoint and every log record written so far go."""
         assert self.wal is not None
         with self._checkpoint_lock:
             # Stored episodes still read from the sessions' chunks are encoded before every
@@ -182,11 +125,20 @@ class Durability:
                     )
             payload = snapshot.pack({"wal_next_index": cut, "sessions": entries}, blobs)
             path = self.checkpoints.save(payload, cut, compress=False)
-            self.checkpoints.keep(1 if purge else self.options.keep)
-            # Keep the log back to the oldest kept checkpoint: if the newer ones turn
-            # out unreadable, recovery falls back to it and still replays everything.
-            kept = self.checkpoints.checkpoints()
-            self.wal.truncate_before(kept[0][0] if kept else cut)
+            if purge:
+                # Two copies of the state without the dropped session stand in for the
+                # older checkpoints, which held it.
+                copy = self.checkpoints.save(payload, cut, compress=False, copy=1)
+                older = [p for _, p in self.checkpoints.checkpoints() if p not in (path, copy)]
+                self.checkpoints.remove(older)
+                self.wal.truncate_before(cut)
+            else:
+                self.checkpoints.keep(self.options.keep)
+                kept = self.checkpoints.checkpoints()
+                # With one checkpoint only, the whole log stays: it stands in for an
+                # older one.
+                if len(kept) >= 2:
+                    self.wal.truncate_before(kept[0][0])
         logger.info("checkpoint %s (%d sessions, log index %d)", path, len(entries), cut)
         return path, cut
 
@@ -208,8 +160,3 @@ class Durability:
             self._timer.stop(30)
         if self.wal is not None:
             self.wal.close()
-
-
-def blobs_of(entry: dict[str, Any], blobs: list[memoryview]) -> list[memoryview]:
-    first, count = int(entry["first_blob"]), int(entry["count"])
-    return blobs[first : first + count]

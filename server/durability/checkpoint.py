@@ -331,8 +331,9 @@ def safe_join(root: str | os.PathLike[str], name: str) -> Path:
 # --------------------------------------------------------------------------- directory
 
 
-_NAME_RE = re.compile(r"^ckpt-(\d{12})\.rrc$")
-_TMP_RE = re.compile(r"^\.ckpt-\d{12}\.rrc\..*\.tmp$")
+# ckpt-<step>.rrc, and ckpt-<step>.<copy>.rrc for a second copy of the same state.
+_NAME_RE = re.compile(r"^ckpt-(\d{12})(?:\.([1-9]))?\.rrc$")
+_TMP_RE = re.compile(r"^\.ckpt-\d{12}(?:\.[1-9])?\.rrc\..*\.tmp$")
 
 
 class NewestGood(NamedTuple):
@@ -363,26 +364,40 @@ class CheckpointDirectory:
     def root(self) -> Path:
         return self._root
 
-    def path_for(self, step: int) -> Path:
+    def path_for(self, step: int, copy: int = 0) -> Path:
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
             raise ValueError(f"step must be an int in [0, 10**12), got {step!r}")
-        return self._root / f"ckpt-{step:012d}.rrc"
+        if copy not in range(10):
+            raise ValueError(f"copy must be an int in [0, 10), got {copy!r}")
+        suffix = f".{copy}" if copy else ""
+        return self._root / f"ckpt-{step:012d}{suffix}.rrc"
 
-    def save(self, payload: bytes, step: int, compress: bool = True) -> Path:
-        """Atomically write the checkpoint for ``step`` (replacing one of the same step)."""
-        path = self.path_for(step)
+    def save(self, payload: bytes, step: int, compress: bool = True, *, copy: int = 0) -> Path:
+        """Atomically write the checkpoint for ``step`` (replacing one of the same step and
+        copy). ``copy`` > 0: another copy of the same state, a fallback when the first copy
+        is found corrupt."""
+        path = self.path_for(step, copy)
         write_checkpoint(path, payload, compress=compress, writer_version=self._writer_version)
         return path
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """All checkpoint files as ``(step, path)``, oldest first."""
+        """All checkpoint files as ``(step, path)``, oldest first (of one step, the further
+        copies before the first, which is tried first)."""
         found = []
         for entry in os.scandir(self._root):
             match = _NAME_RE.match(entry.name)
             if match and entry.is_file(follow_symlinks=False):
-                found.append((int(match.group(1)), Path(entry.path)))
+                copy = int(match.group(2) or 0)
+                found.append((int(match.group(1)), -copy, Path(entry.path)))
         found.sort()
-        return found
+        return [(step, path) for step, _, path in found]
+
+    def remove(self, paths: list[Path]) -> None:
+        """Delete checkpoint files (then fsync the directory)."""
+        for path in paths:
+            path.unlink(missing_ok=True)
+        if paths:
+            files.fsync_directory(self._root)
 
     def keep(self, k: int) -> list[Path]:
         """Delete all but the newest ``k`` checkpoints (and stale temporary files).
@@ -394,14 +409,11 @@ class CheckpointDirectory:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         checkpoints = self.checkpoints()
         doomed = [path for _, path in checkpoints[:-k]] if len(checkpoints) > k else []
-        for path in doomed:
-            path.unlink(missing_ok=True)
         for entry in os.scandir(self._root):
             if _TMP_RE.match(entry.name):
                 logger.info("removing stale temporary checkpoint %s", entry.path)
                 Path(entry.path).unlink(missing_ok=True)
-        if doomed:
-            files.fsync_directory(self._root)
+        self.remove(doomed)
         return doomed
 
     def newest_good(self, *, max_payload_bytes: int | None = None) -> NewestGood:
