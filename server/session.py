@@ -139,8 +139,6 @@ class Session:
         # Last sequence of workers forgotten (left or expired without stored chunks).
         self.forgotten: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.sequences_lost: dict[str, int] = {}
-        # Provable causes of loss found by recovery or a drop (server/loss.py).
-        self.loss_causes: list[LossCause] = []
         self.next_index = 0
         self.last_used = time.monotonic()
         self.dropped = False
