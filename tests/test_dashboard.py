@@ -291,6 +291,8 @@ def test_api_requires_the_token_and_answers_json(dashboard_server):
     with recorder(dashboard_server.address, "w0") as rec:
         for _ in range(3):
             rec.record(*walk_chunk(PATHS["w0"]))
+    # The store's levels and the episodes reach the metrics on the feeder's thread, after acks.
+    assert dashboard_server.sessions.get("walk").drain(timeout=30)
     for path in ("/api/sessions", "/api/sessions/walk", "/api/sessions/walk/archive", "/metrics"):
         assert http(base + path)[0] == 401, path
         assert http(base + path, token="wrong")[0] == 401, path
