@@ -149,8 +149,13 @@ def read_episodes(
     *,
     nodes: list[str] | None = None,
     storage_options: dict | None = None,
+    include_partial: bool = False,
 ) -> Trajectory:
     """The finished episodes in a dataset, as the padded Trajectory finish() returns.
+
+    Episodes the `partial` column marks (a sequence gap hid their start, or they read frames
+    that did not decode) are left out unless ``include_partial``; ``episode_partial`` then
+    says why each is not whole ("" when it is).
 
     Episodes come node by node, worker by worker (join order), environment by environment, in
     time order, and workers are numbered by the roster of each node's newest file (every
@@ -179,13 +184,22 @@ def read_episodes(
     rosters, meta = _rosters(dataset, session, nodes)
     fields = meta["fields"]
     columns = list(_ORDER) + ["worker", "outcome"] + [f["column"] for f in fields]
+    marked = "partial" in dataset.schema.names  # files from before it have no such column
+    if marked:
+        columns.append("partial")
     table = dataset.to_table(columns=columns, filter=where)
-    if table.num_rows == 0:
-        raise ValueError(f"session {session!r}: no episodes match")
-    for name in ("node", "worker"):  # dictionary columns sort as their strings
+    for name in ("node", "worker", "partial")[: 3 if marked else 2]:
+        # Dictionary columns sort and compare as their strings.
         table = table.set_column(
             table.schema.get_field_index(name), name, pc.cast(table[name], pa.string())
         )
+    if marked:
+        reason = pc.fill_null(table["partial"], "")
+        table = table.set_column(table.schema.get_field_index("partial"), "partial", reason)
+        if not include_partial:
+            table = table.filter(pc.equal(reason, ""))
+    if table.num_rows == 0:
+        raise ValueError(f"session {session!r}: no episodes match")
     table = table.sort_by([(c, "ascending") for c in _ORDER])
     step = table["step"].to_numpy()
     firsts = np.flatnonzero(step == 0)
@@ -232,6 +246,11 @@ def read_episodes(
         episode_start=table["start"].to_numpy()[firsts].astype(np.int64),
         episode_done=np.ones(num, dtype=bool),
         worker_ids=worker_ids,
+        episode_partial=(
+            table["partial"].to_numpy(zero_copy_only=False)[firsts].astype(np.str_)
+            if marked
+            else None
+        ),
     )
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from recorder_client import dataset as client_dataset
 from recorder_client._wire import STATE_TO_TRAJECTORY, check_session_name
-from recorder_client.trajectory import Trajectory
+from recorder_client.trajectory import PARTIAL_NAMES, Trajectory
 
 from . import layout, spaces
 from .sink import check_node_id
@@ -110,6 +110,7 @@ def write_parquet(
             outcome=np.zeros(hi - lo, dtype=np.int64),
             values={f.column: trajectory.fields[f.name][rows][mask] for f in fields},
             roster=list(zip(names, range(len(names)))),
+            partial=_flags(trajectory.episode_partial[rows]),
         )
         data = layout.parquet_bytes(layout.episode_table(episodes, fields, config))
         layout.put_whole(fs, f"{directory}/{layout.file_name(node, 0, seq)}", data)
@@ -124,6 +125,21 @@ def write_parquet(
         "steps": int(lengths.sum()),
         "bytes": written,
     }
+
+
+def _flags(reasons: np.ndarray) -> np.ndarray:
+    """Partial flags of reason strings ("gap_before+corrupt" -> GAP_BEFORE | CORRUPT)."""
+    bits = {name: bit for bit, name in PARTIAL_NAMES.items()}
+    flags = np.zeros(len(reasons), dtype=np.int64)
+    for i, reason in enumerate(reasons.tolist()):
+        for name in filter(None, str(reason).split("+")):
+            if name not in bits:
+                raise ValueError(
+                    f"trajectory.episode_partial[{i}]: expected '' or names from "
+                    f"{sorted(bits)} joined by '+', got {reason!r}"
+                )
+            flags[i] |= bits[name]
+    return flags
 
 
 def _field_specs(trajectory: Trajectory) -> list[layout.FieldSpec]:

@@ -18,6 +18,7 @@ import numpy as np
 from recorder_client import __version__
 from recorder_client import dataset as layout
 from recorder_client._wire import trajectory_name
+from recorder_client.trajectory import partial_name
 
 from ..chunks import Schema
 
@@ -91,6 +92,9 @@ class Episodes:
     roster: list[tuple[str, int]] = field(default_factory=list)
     """Every worker the session held when the file was written, (id, worker_index) in join
     order: readers number workers as finish() does, those without an episode included."""
+    partial: np.ndarray | None = None
+    """Per episode: why it is not whole, as `recorder_client.trajectory` flags (0: whole);
+    None: all whole."""
 
     @property
     def num_steps(self) -> int:
@@ -133,6 +137,7 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         "env": pa.array(episodes.env.astype(np.int32)[rows]),
         "start": pa.array(episodes.start.astype(np.int64)[rows]),
         "step": pa.array(step),
+        "partial": _partial_column(episodes.partial, count, rows),
     }
     for spec in fields:
         columns[spec.column] = _arrow(episodes.values[spec.column], spec)
@@ -155,6 +160,16 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
     }
     table = pa.table(columns)
     return table.replace_schema_metadata({layout.METADATA_KEY: json.dumps(meta).encode()})
+
+
+def _partial_column(flags: np.ndarray | None, count: int, rows: np.ndarray) -> Any:
+    """Per step: its episode's partial reason ("" when whole), as a dictionary column."""
+    import pyarrow as pa
+
+    flags = np.zeros(count, dtype=np.int64) if flags is None else np.asarray(flags, np.int64)
+    values, codes = np.unique(flags, return_inverse=True)
+    names = pa.array([partial_name(int(v)) for v in values.tolist()], pa.string())
+    return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)[rows]), names)
 
 
 def _arrow(values: np.ndarray, spec: FieldSpec) -> Any:
@@ -197,8 +212,8 @@ def parquet_bytes(table: Any) -> bytes:
         row_group_size=1 << 20,
         # Dictionaries for the id strings only, statistics for the columns one filters on:
         # both cost time on every value of the wide numeric columns and save nothing there.
-        use_dictionary=["episode_id", "node", "worker"],
-        write_statistics=[*_INDEXED, "episode_id", "node", "worker"],
+        use_dictionary=["episode_id", "node", "worker", "partial"],
+        write_statistics=[*_INDEXED, "episode_id", "node", "worker", "partial"],
     )
     return sink.getvalue().to_pybytes()
 
@@ -265,6 +280,11 @@ def describe(
             "env": "the environment within the worker",
             "start": "the episode's first step on the worker's time axis",
             "step": "the step within the episode, from 0",
+            "partial": (
+                "why the episode is not whole: '' when it is; 'gap_before' (chunks lost "
+                "just before it hid its start), 'corrupt' (it reads frames that did not "
+                "decode: zeros there), or several joined by '+'"
+            ),
             "action": "the action taken",
             "reward": "the reward (float32)",
             "done": "true on the episode's last step",

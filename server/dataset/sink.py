@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from recorder_client import dataset as client_dataset
+from recorder_client.trajectory import CORRUPT
 
 from ..durability import records
 from ..errors import ErrorKind, RequestError
@@ -341,6 +342,7 @@ class DatasetSink:
                 if tl is None:
                     raise RuntimeError(f"worker {worker_id!r} of a logged dataset write is gone")
                 env, start, end = (a[first:end_row].copy() for a in tl.table.arrays())
+                flags = tl.table.flags()[first:end_row].astype(np.int64)
                 if env.size != end_row - first:
                     raise RuntimeError(
                         f"worker {worker_id!r}: rows {first}..{end_row} of a logged dataset "
@@ -355,13 +357,19 @@ class DatasetSink:
                 chunks = tl.chunks
                 i = bisect.bisect_right(chunks, lo, key=lambda c: c.t0) - 1
                 j = bisect.bisect_left(chunks, hi, key=lambda c: c.t0)
-                parts.append((worker_id, tl.index, env, start, end, chunks[max(i, 0) : j], ids))
+                held = chunks[max(i, 0) : j]
+                parts.append((worker_id, tl.index, env, start, end, held, ids, flags))
         values: dict[str, list[np.ndarray]] = {f.column: [] for f in fields}
         worker_ids: list[str] = []
         windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
-        for worker_id, index, env, start, end, chunks, ids in parts:
+        partial = []
+        for worker_id, index, env, start, end, chunks, ids, flags in parts:
             n = end - start
             session.verify(chunks)
+            for chunk in chunks:  # proved: its zeros are marked, never written as data
+                if chunk.corrupt:
+                    flags[(start < chunk.t0 + chunk.length) & (chunk.t0 < end)] |= CORRUPT
+            partial.append(flags)
             picked, codes = _gather_steps(chunks, fields, env, start, n)
             for spec in fields:
                 values[spec.column].append(picked[spec.column])
@@ -385,6 +393,7 @@ class DatasetSink:
             values={k: _joined(v) for k, v in values.items()},
             store_ids=np.concatenate(store_ids),
             roster=roster,
+            partial=np.concatenate(partial),
         )
         return episodes, fields
 
