@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import core_chunk
+from test_durability import durable  # noqa: F401 - the fixture
 
+from recorder_client import CellField, TrajectoryTrainingConfiguration, UtilityConfig
 from recorder_client.trajectory import CORRUPT, GAP_AFTER, GAP_BEFORE, partial_name
 from recorder_server.chunks import SessionConfig
 from recorder_server.durability import snapshot
@@ -228,3 +230,105 @@ def test_rows_over_a_corrupt_chunk_are_marked():
         assert int(plan.partial[1]) == CORRUPT
     finally:
         session.close()
+
+
+# -- a real server: acknowledged chunks lost to a torn log tail ----------------------------
+
+N_ENVS, STEPS = 3, 8
+STORE = TrajectoryTrainingConfiguration(
+    cell_fields=(
+        CellField("player_positions", (0, 0), bucket=4, name="x"),
+        CellField("player_positions", (0, 1), bucket=1, name="env"),
+    ),
+    utilities=(UtilityConfig("win_proximity", gamma=0.9),),
+)
+
+
+def _server_chunks(worker: int, count: int, seed: int):
+    """(action ids, reward, done, positions) per chunk: positions name the step and env."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for action, reward, done in _real_chunks(rng, count, N_ENVS, 0.15, worker):
+        steps = (action % 10**9) // 1000
+        positions = np.stack([steps % 40, action % 1000], axis=-1)[:, :, None, :].astype(np.int32)
+        out.append((action, reward, done, positions))
+    return out
+
+
+def _send(rec, chunk) -> None:
+    action, reward, done, positions = chunk
+    rec.record({"action": action, "reward": reward, "done": done}, {"player_positions": positions})
+
+
+def _pieces(traj) -> list[tuple[tuple[int, ...], bool, str]]:
+    return [
+        (tuple(int(a) for a in traj.actions[b, :n]), bool(traj.episode_done[b]), str(p))
+        for b, (n, p) in enumerate(zip(traj.lengths.tolist(), traj.episode_partial.tolist()))
+    ]
+
+
+def test_a_torn_log_tail_that_lost_acknowledged_chunks_joins_no_episode(durable, tmp_path):  # noqa: F811
+    """Worker w0's chunks 8..10 are acknowledged, then lost: kill -9 and the log's tail cut
+    in chunk 8's record. Its recorder reconnects, claims 10 and records 11..20. finish(),
+    the dataset (read_episodes) and the store (sample_start, the archive) hold no episode
+    that did not happen, and every episode clear of the hole whole."""
+    from recorder_client import RolloutRecorder, read_episodes
+
+    first = durable().start()
+    w1, w0 = _server_chunks(1, 5, 11), _server_chunks(0, 20, 12)
+    kw = dict(session="g", record_states=True, state_fields=["player_positions"], capture=STORE)
+    with RolloutRecorder(target=first.address, worker_id="w1", **kw) as rec:
+        for chunk in w1:
+            _send(rec, chunk)
+    wal = first.data_dir / "wal"
+    sizes = []
+    rec = RolloutRecorder(
+        target=first.address,
+        worker_id="w0",
+        reconnect_timeout=60,
+        on_data_loss="continue",
+        **kw,
+    )
+    try:
+        for chunk in w0[:10]:
+            _send(rec, chunk)
+            rec.flush()
+            sizes.append(sorted(wal.glob("wal-*.log"))[-1].stat().st_size)
+        first.kill9()
+        last = sorted(wal.glob("wal-*.log"))[-1]
+        assert last.stat().st_size == sizes[-1]
+        with open(last, "r+b") as fh:
+            fh.truncate(sizes[6] + 10)  # mid-way through chunk 8's record
+        dataset = tmp_path / "dataset"
+        second = durable(
+            "--dataset-uri", str(dataset), "--dataset-flush-seconds", "0.5", port=first.port
+        ).start()
+        for chunk in w0[10:]:
+            _send(rec, chunk)
+        rec.flush()
+        status = rec.status()
+        assert status.sequences_lost == 3 and status.chunks_stored == 5 + 7 + 10
+        lost = {7, 8, 9}
+        truth = [
+            _truth([c[:3] for c in w1], set(), N_ENVS),
+            _truth([c[:3] for c in w0], lost, N_ENVS),
+        ]
+        for pad, partial in ((False, False), (True, True), (True, False)):
+            want = [p for t in truth for p in _expected(t, pad, partial)]
+            assert _pieces(rec.finish(pad, include_partial=partial)) == want, (pad, partial)
+        whole = {p[0][0]: p[0] for t in truth for p in t if p[1] and not p[2]}
+        for _ in range(60):
+            sampled = rec.capture.sample_start()
+            assert sampled is not None
+            prefix = tuple(int(a) for a in sampled[1].actions)
+            assert whole[prefix[0]][: len(prefix)] == prefix, prefix
+        visits = int(rec.capture.archive().visits.sum())
+        assert visits == sum(len(ids) for ids in whole.values())
+    finally:
+        rec.close()
+    assert second.stop() == 0
+    want = [p for t in truth for p in _expected(t, False, False)]
+    assert _pieces(read_episodes(str(dataset), "g")) == want
+    marked = [p for t in truth for p in _expected(t, False, True)]
+    assert _pieces(read_episodes(str(dataset), "g", include_partial=True)) == marked
+    assert any(p[2] == "gap_before" for p in marked)
