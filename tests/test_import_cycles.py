@@ -25,13 +25,7 @@ PACKAGES = {"client": "recorder_client", "server": "recorder_server"}
 # Cycles known today, each the exact set of modules in one strongly connected component.
 # Remove an entry in the commit that breaks its cycle; the test fails while a listed cycle
 # no longer exists, so that the entry cannot outlive it.
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    # Issue 37: the snapshot reads and writes sessions, and sessions takes snapshots. The
-    # recovery work (server/durability/, server/sessions.py) removes it.
-    frozenset({"recorder_server.durability.snapshot", "recorder_server.sessions"}): (
-        "durability/snapshot <-> sessions (issue 37)"
-    ),
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 Edge = tuple[str, int]  # (imported module, line of the import statement)
 

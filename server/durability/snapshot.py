@@ -34,6 +34,7 @@ from ..chunks import (
 from ..dataset.cursor import DatasetCursor
 from ..episodes import EpisodeTable, StoredChunk
 from ..errors import RequestError
+from ..limits import ServiceLimits
 
 MAGIC = b"RRSTATE1"
 FORMAT = "recorder.session_state.v2"
@@ -242,8 +243,6 @@ def _guarded(fn: Any, *args: Any) -> None:
 
 
 def _unlimited() -> Any:
-    from ..sessions import ServiceLimits
-
     big = 1 << 62
     return ServiceLimits(
         max_array_bytes=big, max_chunk_bytes=big, max_chunk_env_steps=big, max_upload_bytes=big
