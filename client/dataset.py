@@ -12,8 +12,10 @@ Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique acros
 worker's time axis), ``step`` (within the episode), ``action``, ``reward`` (float32, as
 finish() returns it), ``done`` (true on an episode's last step), ``outcome`` (the episode's
 outcome code, on every row), ``store_trajectory`` (the episode's id in the node's trajectory
-store, which the store's references name; -1 without one) and one column per recorded state
-field under its trajectory name.
+store, which the store's references name; -1 without one), ``partial`` (why the episode is
+not whole: "" when it is, "gap_before" when chunks lost just before it hid its start,
+"corrupt" when it reads frames that did not decode, or several joined by "+"; files from
+before it lack the column) and one column per recorded state field under its trajectory name.
 A field with trailing dimensions is a fixed-size list of the flattened step; each file's
 Parquet metadata (``rollout_recorder``) holds the dtypes and shapes to restore. Names starting
 with ``_`` are skipped by Parquet readers (Arrow, Spark, DuckDB globs of ``*.parquet``).
@@ -57,6 +59,7 @@ FIXED_COLUMNS = (
     "done",
     "outcome",
     "store_trajectory",
+    "partial",
 )
 _ORDER = ("node", "generation", "worker_index", "env", "start", "step")
 

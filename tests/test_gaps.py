@@ -7,6 +7,8 @@ names its step on that real axis, so a returned row is checked step by step agai
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import core_chunk
@@ -234,7 +236,8 @@ def test_rows_over_a_corrupt_chunk_are_marked():
 
 # -- a real server: acknowledged chunks lost to a torn log tail ----------------------------
 
-N_ENVS, STEPS = 3, 8
+N_ENVS = 3
+FIELDS = ["player_positions", "player_inventory"]
 STORE = TrajectoryTrainingConfiguration(
     cell_fields=(
         CellField("player_positions", (0, 0), bucket=4, name="x"),
@@ -332,3 +335,82 @@ def test_a_torn_log_tail_that_lost_acknowledged_chunks_joins_no_episode(durable,
     marked = [p for t in truth for p in _expected(t, False, True)]
     assert _pieces(read_episodes(str(dataset), "g", include_partial=True)) == marked
     assert any(p[2] == "gap_before" for p in marked)
+
+
+def test_episodes_over_a_corrupt_chunk_are_marked_or_left_out_everywhere(durable, tmp_path):  # noqa: F811
+    """Chunk 2 of 4 is acknowledged on its frame headers, and its inventory frame (a state
+    field the store does not key cells on, so not decoded before the ack) does not decode. finish() names it and marks the rows that read it; the dataset marks them
+    "corrupt" (read_episodes leaves them out by default); the store holds none of them."""
+    from test_verify_frames import broken_frame
+
+    from recorder_client import RolloutRecorder, read_episodes
+    from recorder_client._credentials import make_channel
+    from recorder_client._messages import array_to_proto
+    from recorder_client._proto import recorder_pb2 as pb
+    from recorder_client._proto import recorder_pb2_grpc as pb_grpc
+
+    dataset = tmp_path / "dataset"
+    server = durable("--dataset-uri", str(dataset), "--dataset-flush-seconds", "0.5").start()
+    rng = np.random.default_rng(5)
+    length, chunks, msgs = 16, [], []
+    for c in range(4):
+        steps = np.arange(c * length, (c + 1) * length, dtype=np.int64)[:, None]
+        action = steps * 1000 + np.arange(N_ENVS, dtype=np.int64)[None, :]
+        done = rng.random((length, N_ENVS)) < 0.12
+        reward = rng.random((length, N_ENVS)).astype(np.float32)
+        positions = np.stack([steps % 40 + 0 * action, action % 1000], axis=-1)[:, :, None, :]
+        chunks.append((action, reward, done))
+        msg = pb.Chunk(sequence=c + 1)
+        msg.action.CopyFrom(array_to_proto(action, pack=True))
+        msg.reward.CopyFrom(array_to_proto(reward))
+        msg.done.CopyFrom(array_to_proto(done))
+        pos = array_to_proto(positions.astype(np.int32), pack=True)
+        msg.states.append(pb.NamedArray(name="player_positions", array=pos))
+        inventory = np.repeat(action[:, :, None] % 7, 8, axis=2).astype(np.int32)
+        inv = broken_frame(inventory) if c == 1 else array_to_proto(inventory, pack=True)
+        msg.states.append(pb.NamedArray(name="player_inventory", array=inv))
+        msgs.append(msg)
+    config = pb.SessionConfig(
+        record_states=True,
+        state_fields=FIELDS,
+        capture_config_json=json.dumps(STORE.to_dict(), sort_keys=True),
+    )
+    with make_channel(server.address) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        stub.Join(pb.JoinRequest(session="c", config=config, worker_id="w"), timeout=10)
+        opening = pb.RecordRequest(open=pb.RecordOpen(session="c", worker_id="w"))
+        acks = list(stub.Record(iter([opening, *(pb.RecordRequest(chunk=m) for m in msgs)])))
+        assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+    bad = range(length * 1000, 2 * length * 1000)  # the ids of chunk 2's steps
+    finished = [p for p in _truth(chunks, set(), N_ENVS) if p[1]]
+    over = [any(i in bad for i in ids) for ids, _done, _flags in finished]
+    marked = [(ids, True, "corrupt" if o else "") for (ids, _, _), o in zip(finished, over)]
+    whole = [m for m, o in zip(marked, over) if not o]
+    assert any(over) and whole
+    kw = dict(session="c", record_states=True, state_fields=FIELDS, capture=STORE)
+    with RolloutRecorder(target=server.address, on_data_loss="continue", **kw) as rec:
+        out = rec.finish(pad_incomplete=False)
+        assert out.num_corrupt_chunks == 1 and "chunk 2 of worker 'w'" in out.corrupt_chunks[0]
+        assert _pieces(out) == marked
+        _inventory_zero_exactly_in_chunk_2(out, bad)
+        starts = {ids[0]: ids for ids, _done, _reason in whole}
+        for _ in range(30):
+            sampled = rec.capture.sample_start()
+            assert sampled is not None
+            prefix = tuple(int(a) for a in sampled[1].actions)
+            assert starts[prefix[0]][: len(prefix)] == prefix, prefix
+        visits = int(rec.capture.archive().visits.sum())
+        assert visits == sum(len(ids) for ids, _done, _reason in whole)
+    assert server.stop() == 0
+    assert _pieces(read_episodes(str(dataset), "c")) == whole
+    written = read_episodes(str(dataset), "c", include_partial=True)
+    assert _pieces(written) == marked
+    _inventory_zero_exactly_in_chunk_2(written, bad)
+
+
+def _inventory_zero_exactly_in_chunk_2(traj, bad: range) -> None:
+    """The rows hold the inventory recorded (action id % 7), zeros on chunk 2's steps."""
+    for b, n in enumerate(traj.lengths.tolist()):
+        ids = traj.actions[b, :n]
+        want = np.where((ids >= bad.start) & (ids < bad.stop), 0, ids % 7)
+        assert (traj.player_inventory[b, :n] == want[:, None]).all(), b

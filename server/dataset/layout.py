@@ -137,7 +137,6 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         "env": pa.array(episodes.env.astype(np.int32)[rows]),
         "start": pa.array(episodes.start.astype(np.int64)[rows]),
         "step": pa.array(step),
-        "partial": _partial_column(episodes.partial, count, rows),
     }
     for spec in fields:
         columns[spec.column] = _arrow(episodes.values[spec.column], spec)
@@ -148,6 +147,7 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
             if store is None:
                 store = np.full(count, -1, dtype=np.int64)
             columns["store_trajectory"] = pa.array(store.astype(np.int64)[rows])
+            columns["partial"] = _partial_column(episodes.partial, count, rows)
     meta = {
         "layout": layout.LAYOUT_VERSION,
         "session": episodes.session,
