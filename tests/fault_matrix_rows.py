@@ -51,6 +51,22 @@ ROWS: tuple[Row, ...] = (
         log="dropped torn tail of 10 bytes",
     ),
     Row(
+        key="torn-acked-tail",
+        fault=(
+            "The log loses acknowledged chunks 8..10 of a worker (`kill -9`, then its tail cut "
+            "inside chunk 8's record), and the worker records on"
+        ),
+        guarantee=(
+            "The worker is told which chunks were lost and why; every open episode of it ends "
+            "at the hole: `finish()`, the dataset and the store hold each episode clear of the "
+            "hole whole and none joined across it (the piece after the hole, up to its first "
+            "done, only with `include_partial=True`, marked `gap_before`)"
+        ),
+        trainer="DataLossError",
+        told="lost chunks 8..10",
+        log="chunks 8..10 were acknowledged but are not held",
+    ),
+    Row(
         key="corrupt-newest-checkpoint",
         fault="The newest checkpoint is corrupt (one flipped byte), then `kill -9`",
         guarantee=(

@@ -28,6 +28,7 @@ from test_dataset_store import CAPTURE
 from test_trust import zeros, zeros_frame
 
 from recorder_client import (
+    DataLossError,
     InvalidChunkError,
     RecorderError,
     RolloutRecorder,
@@ -254,6 +255,35 @@ def torn_unacked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Ou
     return server, Outcome(session, {0: list(range(9))})
 
 
+def torn_acked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
+    # The dataset is written once early on, then not before the restart: no file outlives
+    # the log records it came from.
+    server = bench.own("--dataset-flush-seconds", "3600")
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(7))
+    rec.flush()
+    time.sleep(1.5)  # the dataset's first write, of a new session, is over
+    wal = server.data_dir / "wal"
+    cut = sorted(wal.glob("wal-*.log"))[-1].stat().st_size + 10  # inside chunk 8's record
+    send(rec, 0, range(7, 10))
+    rec.flush()
+    server.kill()
+    with open(sorted(wal.glob("wal-*.log"))[-1], "r+b") as fh:
+        fh.truncate(cut)
+    server.extra = server.extra[:-2]  # the matrix's dataset flush interval again
+    server.start()
+    seen = None
+    calls = [lambda i=i: send(rec, 0, [i]) for i in range(10, 14)]
+    for call in [*calls, lambda: rec.flush(timeout=60)]:
+        try:
+            call()
+        except DataLossError as exc:  # raised once its call's chunk was queued
+            seen = exc
+    rec.flush(timeout=60)
+    rec.close()
+    return server, Outcome(session, {0: [*range(7), *range(10, 14)]}, seen=seen)
+
+
 def corrupt_newest_checkpoint(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
     server = bench.own()
     rec = recorder(server, session, 0)
@@ -390,6 +420,7 @@ def drop_while_recording(bench: Bench, session: str):
 SCENARIOS = {
     "kill-9": kill_9,
     "torn-unacked-tail": torn_unacked_tail,
+    "torn-acked-tail": torn_acked_tail,
     "corrupt-newest-checkpoint": corrupt_newest_checkpoint,
     "zstd-bomb": zstd_bomb,
     "lying-size": lying_size,
