@@ -324,7 +324,7 @@ def test_a_torn_log_tail_that_lost_acknowledged_chunks_joins_no_episode(durable,
             sampled = rec.capture.sample_start()
             assert sampled is not None
             prefix = tuple(int(a) for a in sampled[1].actions)
-            assert whole[prefix[0]][: len(prefix)] == prefix, prefix
+            assert whole.get(prefix[0], ())[: len(prefix)] == prefix, prefix
         visits = int(rec.capture.archive().visits.sum())
         assert visits == sum(len(ids) for ids in whole.values())
     finally:
@@ -338,9 +338,11 @@ def test_a_torn_log_tail_that_lost_acknowledged_chunks_joins_no_episode(durable,
 
 
 def test_episodes_over_a_corrupt_chunk_are_marked_or_left_out_everywhere(durable, tmp_path):  # noqa: F811
-    """Chunk 2 of 4 is acknowledged on its frame headers, and its inventory frame (a state
-    field the store does not key cells on, so not decoded before the ack) does not decode. finish() names it and marks the rows that read it; the dataset marks them
-    "corrupt" (read_episodes leaves them out by default); the store holds none of them."""
+    """Chunk 2 of 6 is acknowledged on its frame headers, and its inventory frame (a state
+    field the store does not key cells on, so not decoded before the ack) does not decode.
+    A restart (SIGTERM: a checkpoint) comes after chunk 4, and env 0's episode from chunk 1
+    ends in chunk 5. finish() names the chunk and marks the rows that read it; the dataset
+    marks them "corrupt" (read_episodes leaves them out by default); the store holds none."""
     from test_verify_frames import broken_frame
 
     from recorder_client import RolloutRecorder, read_episodes
@@ -353,10 +355,11 @@ def test_episodes_over_a_corrupt_chunk_are_marked_or_left_out_everywhere(durable
     server = durable("--dataset-uri", str(dataset), "--dataset-flush-seconds", "0.5").start()
     rng = np.random.default_rng(5)
     length, chunks, msgs = 16, [], []
-    for c in range(4):
+    for c in range(6):
         steps = np.arange(c * length, (c + 1) * length, dtype=np.int64)[:, None]
         action = steps * 1000 + np.arange(N_ENVS, dtype=np.int64)[None, :]
         done = rng.random((length, N_ENVS)) < 0.12
+        done[:, 0] = c == 4 and np.arange(length) == 3  # env 0: one episode over chunks 1..5
         reward = rng.random((length, N_ENVS)).astype(np.float32)
         positions = np.stack([steps % 40 + 0 * action, action % 1000], axis=-1)[:, :, None, :]
         chunks.append((action, reward, done))
@@ -375,12 +378,16 @@ def test_episodes_over_a_corrupt_chunk_are_marked_or_left_out_everywhere(durable
         state_fields=FIELDS,
         capture_config_json=json.dumps(STORE.to_dict(), sort_keys=True),
     )
-    with make_channel(server.address) as channel:
-        stub = pb_grpc.RecorderStub(channel)
-        stub.Join(pb.JoinRequest(session="c", config=config, worker_id="w"), timeout=10)
-        opening = pb.RecordRequest(open=pb.RecordOpen(session="c", worker_id="w"))
-        acks = list(stub.Record(iter([opening, *(pb.RecordRequest(chunk=m) for m in msgs)])))
-        assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+    for part in (msgs[:4], msgs[4:]):
+        with make_channel(server.address) as channel:
+            stub = pb_grpc.RecorderStub(channel)
+            stub.Join(pb.JoinRequest(session="c", config=config, worker_id="w"), timeout=10)
+            opening = pb.RecordRequest(open=pb.RecordOpen(session="c", worker_id="w"))
+            acks = list(stub.Record(iter([opening, *(pb.RecordRequest(chunk=m) for m in part)])))
+            assert all(a.result == pb.RecordAck.STORED for a in acks), acks
+        if part is not msgs[4:]:  # a checkpoint holds the open episodes and the store
+            assert server.stop() == 0
+            server.start()
     bad = range(length * 1000, 2 * length * 1000)  # the ids of chunk 2's steps
     finished = [p for p in _truth(chunks, set(), N_ENVS) if p[1]]
     over = [any(i in bad for i in ids) for ids, _done, _flags in finished]
@@ -398,7 +405,7 @@ def test_episodes_over_a_corrupt_chunk_are_marked_or_left_out_everywhere(durable
             sampled = rec.capture.sample_start()
             assert sampled is not None
             prefix = tuple(int(a) for a in sampled[1].actions)
-            assert starts[prefix[0]][: len(prefix)] == prefix, prefix
+            assert starts.get(prefix[0], ())[: len(prefix)] == prefix, prefix
         visits = int(rec.capture.archive().visits.sum())
         assert visits == sum(len(ids) for ids, _done, _reason in whole)
     assert server.stop() == 0

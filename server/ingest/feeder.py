@@ -235,8 +235,11 @@ class EpisodeFeeder:
                     break
                 kept.append(chunk)
             for chunk in reversed(kept):
-                # What the window keys (the reward and the cell fields): the frames a
-                # stored episode reads are proved when it reads them.
+                if chunk.unverified and self.prove is not None:
+                    self.prove(chunk)
+                if chunk.corrupt:  # no episode over it reaches the store
+                    worker.corrupt.append((chunk.t0, chunk.t0 + chunk.length))
+                # What the window keys (the reward and the cell fields).
                 arrays = {
                     k: a.decode()
                     for k, a in chunk.arrays.items()
