@@ -19,7 +19,6 @@ import numpy as np
 
 from recorder_client import _wire
 from recorder_client._wire import shown
-from recorder_client.capture_types import EpisodeOutcome
 
 from ..chunks import (
     ALWAYS_DECODED,
@@ -35,18 +34,23 @@ from ..dataset.cursor import DatasetCursor
 from ..episodes import EpisodeTable, StoredChunk
 from ..errors import RequestError
 from ..limits import ServiceLimits
+from .state_fields import (
+    SnapshotError,
+    array,
+    blob,
+    corrupt_messages,
+    count,
+    dims_of,
+    feeder,
+    list_of,
+    mapping,
+    restore_lifecycle,
+)
 
 MAGIC = b"RRSTATE1"
 FORMAT = "recorder.session_state.v2"
 # Session counters a state carries, each an int in [0, 2**63).
 COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
-_NUM_OUTCOMES = len(EpisodeOutcome)
-# Longest saved message about a frame that reads as zeros.
-_MAX_MESSAGE = 4096
-
-
-class SnapshotError(ValueError):
-    """A state container that cannot be read; the message says what is wrong."""
 
 
 class _Blobs:
@@ -218,8 +222,8 @@ def check_limits(meta: Any, blobs: list[memoryview], limits: Any) -> None:
     read from its headers: run on an uploaded state before anything of it is built."""
 
     def run() -> None:
-        for k, entry in enumerate(_list(meta["workers"], "state.workers")):
-            for i, c in enumerate(_list(entry["chunks"], f"state.workers[{k}].chunks")):
+        for k, entry in enumerate(list_of(meta["workers"], "state.workers")):
+            for i, c in enumerate(list_of(entry["chunks"], f"state.workers[{k}].chunks")):
                 _chunk_arrays(c, blobs, f"state.workers[{k}].chunks[{i}]", limits, copy=False)
 
     if not isinstance(meta, dict):
@@ -249,94 +253,21 @@ def _unlimited() -> Any:
     )
 
 
-def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
-        raise SnapshotError(f"state.{what}: expected an int in [0, 2**63), got {shown(value)}")
-    return value
-
-
-def _corrupt(value: Any, what: str, frames: int) -> tuple[str, ...]:
-    """A saved chunk's messages about frames that read as zeros: at most one per frame."""
-    messages = _list(value, what)
-    if len(messages) > frames or not all(
-        isinstance(m, str) and len(m) <= _MAX_MESSAGE for m in messages
-    ):
-        raise SnapshotError(
-            f"{what}: expected at most {frames} messages (one per frame) of at most "
-            f"{_MAX_MESSAGE} characters, got {shown(messages)}"
-        )
-    return tuple(messages)
-
-
-def _list(value: Any, what: str) -> list:
-    if not isinstance(value, list):
-        raise SnapshotError(f"{what}: expected a list, got {type(value).__name__}")
-    return value
-
-
-def _dict(value: Any, what: str) -> dict:
-    if not isinstance(value, dict):
-        raise SnapshotError(f"{what}: expected a mapping, got {type(value).__name__}")
-    return value
-
-
-def _blob(blobs: list[memoryview], index: Any, what: str) -> memoryview:
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(blobs):
-        raise SnapshotError(
-            f"{what}.blob: expected an index in [0, {len(blobs)}), got {shown(index)}"
-        )
-    return blobs[index]
-
-
-def _shape(value: Any, what: str) -> list[int]:
-    dims = _list(value, f"{what}.shape")
-    for d in dims:
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 62:
-            raise SnapshotError(f"{what}.shape: expected sizes in [0, 2**62), got {shown(dims)}")
-    return dims
-
-
-def _array(
-    spec: Any,
-    blobs: list[memoryview],
-    what: str,
-    dtype: str,
-    shape: tuple[int, ...] | None = None,
-) -> np.ndarray:
-    """A saved bookkeeping array of exactly ``dtype`` (and ``shape`` when given) whose blob
-    holds exactly its bytes."""
-    spec = _dict(spec, what)
-    if spec.get("dtype") != np.dtype(dtype).str:
-        raise SnapshotError(
-            f"{what}.dtype: expected {np.dtype(dtype).str!r}, got {shown(spec.get('dtype'))}"
-        )
-    dims = _shape(spec.get("shape"), what)
-    if shape is not None and tuple(dims) != shape:
-        raise SnapshotError(f"{what}.shape: expected {list(shape)}, got {shown(dims)}")
-    data = _blob(blobs, spec.get("blob"), what)
-    nbytes = np.dtype(dtype).itemsize * math.prod(dims)
-    if nbytes != len(data):
-        raise SnapshotError(
-            f"{what}: shape {dims} of {dtype} is {nbytes} bytes, its blob holds {len(data)}"
-        )
-    return np.frombuffer(data, dtype=dtype).copy().reshape(dims)
-
-
 def _schema(value: Any, config: SessionConfig, max_raw: int) -> Schema | None:
     if value is None:
         return None
     allowed = {"action", "reward"} | {STATE + f for f in config.state_fields}
     schema: Schema = {}
-    for key, spec in _dict(value, "state.schema").items():
+    for key, spec in mapping(value, "state.schema").items():
         what = f"state.schema[{shown(key)}]"
         if key not in allowed:
             raise SnapshotError(f"{what}: expected a key from {sorted(allowed)}")
-        dtype_text, trailing = _list(spec, what)
+        dtype_text, trailing = list_of(spec, what)
         try:
             dtype = _wire.parse_dtype(dtype_text, f"{what}.dtype")
         except ValueError as exc:
             raise SnapshotError(str(exc)) from None
-        dims = _shape(trailing, what)
+        dims = dims_of(trailing, what)
         if dtype.itemsize * math.prod(max(d, 1) for d in dims) > max_raw:
             raise SnapshotError(f"{what}.shape: expected at most {max_raw} bytes, got {dims}")
         schema[key] = (dtype, tuple(dims))
@@ -349,10 +280,10 @@ def _chunk_arrays(
     """A saved chunk's arrays, each header checked as a received one is (sizes, frames)."""
     max_raw = min(limits.max_array_bytes, limits.max_chunk_bytes)
     arrays: dict[str, EncodedArray] = {}
-    for key, spec in _dict(_dict(c, what)["arrays"], f"{what}.arrays").items():
+    for key, spec in mapping(mapping(c, what)["arrays"], f"{what}.arrays").items():
         label = array_label(what, str(key))
-        spec = _dict(spec, label)
-        dims = _shape(spec.get("shape"), label)
+        spec = mapping(spec, label)
+        dims = dims_of(spec.get("shape"), label)
         dtype = spec.get("dtype")
         if not isinstance(dtype, str):
             raise SnapshotError(f"{label}.dtype: expected a dtype string, got {shown(dtype)}")
@@ -360,7 +291,7 @@ def _chunk_arrays(
             raw = _wire.parse_dtype(dtype, f"{label}.dtype").itemsize * math.prod(dims)
         except ValueError as exc:
             raise SnapshotError(str(exc)) from None
-        data = _blob(blobs, spec.get("blob"), label)
+        data = blob(blobs, spec.get("blob"), label)
         codec = spec.get("codec")
         if isinstance(codec, bool) or not isinstance(codec, int):
             raise SnapshotError(f"{label}.codec: expected an int, got {shown(codec)}")
@@ -414,7 +345,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
     from ..session import check_worker_id
 
     schema = _schema(meta["schema"], session.config, limits.max_chunk_bytes)
-    counters = _dict(meta["counters"], "state.counters")
+    counters = mapping(meta["counters"], "state.counters")
     unknown = sorted(str(name) for name in counters if name not in COUNTERS)
     missing = sorted(set(COUNTERS) - set(counters))
     if unknown or missing:
@@ -422,7 +353,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             f"state.counters: expected exactly {list(COUNTERS)}, got "
             + (f"unknown {shown(unknown[0])}" if unknown else f"no {missing[0]!r}")
         )
-    values = {name: _count(counters[name], f"counters.{name}") for name in COUNTERS}
+    values = {name: count(counters[name], f"counters.{name}") for name in COUNTERS}
     session.schema = schema
     session.done_count = values["done_count"]
     session.num_recorded_steps = values["num_recorded_steps"]
@@ -432,8 +363,8 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
     session.publish_counters()
     tails = {}
     trajectory_ids: dict[int, np.ndarray] = {}
-    entries = [_dict(w, "state.workers[]") for w in _list(meta["workers"], "state.workers")]
-    workers = sorted(entries, key=lambda w: _count(w["index"], "workers.index"))
+    entries = [mapping(w, "state.workers[]") for w in list_of(meta["workers"], "state.workers")]
+    workers = sorted(entries, key=lambda w: count(w["index"], "workers.index"))
     indexes = [w["index"] for w in workers]
     if len(set(indexes)) != len(indexes) or (indexes and indexes[-1] >= 1 << 31):
         raise SnapshotError(
@@ -446,13 +377,13 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         if not isinstance(worker_id, str):
             raise SnapshotError(f"state.workers.id: expected a string, got {shown(worker_id)}")
         ids.append(check_worker_id(worker_id))
-    _restore_lifecycle(session, meta, ids, indexes)
+    restore_lifecycle(session, meta, ids, indexes)
     for entry, worker_id in zip(workers, ids, strict=True):
         what = f"state.workers[{shown(worker_id)}]"
         if worker_id in session.workers:
             raise SnapshotError(f"state.workers: worker {shown(worker_id)} appears twice")
         tl = session.add_worker(
-            worker_id, entry["index"], _count(entry["last_sequence"], "last_sequence")
+            worker_id, entry["index"], count(entry["last_sequence"], "last_sequence")
         )
         joined = entry.get("joined_unix", 0.0)
         if isinstance(joined, bool) or not isinstance(joined, (int, float)):
@@ -460,8 +391,8 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         session.joined_at[worker_id] = float(joined)
         session.identity.restore(worker_id, entry.get("holder"))
         n = entry["num_envs"]
-        n = None if n is None else _count(n, "num_envs")
-        saved = _list(entry["chunks"], f"{what}.chunks")
+        n = None if n is None else count(n, "num_envs")
+        saved = list_of(entry["chunks"], f"{what}.chunks")
         if (n is None) != (not saved):
             raise SnapshotError(
                 f"{what}.num_envs: expected a count exactly when the worker has chunks, got "
@@ -472,7 +403,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             where = f"{what}.chunks[{i}]"
             arrays = _chunk_arrays(c, blobs, where, limits)
             length = arrays["action"].shape[0] if "action" in arrays else 0
-            if _count(c["t0"], "t0") != t or _count(c["length"], "length") != length:
+            if count(c["t0"], "t0") != t or count(c["length"], "length") != length:
                 raise SnapshotError(
                     f"{where}: expected t0={t} and length={length} (the steps before it and "
                     f"its arrays), got t0={shown(c['t0'])} and length={shown(c['length'])}"
@@ -487,24 +418,24 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
                         f"{where}.outcome: expected integer codes of shape {[length, n]}, got "
                         f"{outcome.dtype} {list(outcome.shape)}"
                     )
-            wire = _count(c["wire_bytes"], "wire_bytes")
+            wire = count(c["wire_bytes"], "wire_bytes")
             # Frames are checked from their headers here; their content is proved when
             # they are read (a checkpoint may precede the background verifier).
             later = tuple(k for k in arrays if k not in ALWAYS_DECODED)
-            sequence = _count(c.get("sequence", 0), "sequence")
-            corrupt = _corrupt(c.get("corrupt", []), f"{where}.corrupt", len(arrays))
+            sequence = count(c.get("sequence", 0), "sequence")
+            corrupt = corrupt_messages(c.get("corrupt", []), f"{where}.corrupt", len(arrays))
             tl.chunks.append(
                 StoredChunk(t, length, arrays, wire, outcome, later, worker_id, sequence, corrupt)
             )
             t += length
-        if _count(entry["t_total"], "t_total") != t:
+        if count(entry["t_total"], "t_total") != t:
             raise SnapshotError(
                 f"{what}.t_total: expected {t} (the chunks' steps), got {entry['t_total']}"
             )
         tl.t_total = t
         env, start, end = (
-            _array(spec, blobs, f"{what}.table[{j}]", "<i8")
-            for j, spec in enumerate(_list(entry["table"], f"{what}.table"))
+            array(spec, blobs, f"{what}.table[{j}]", "<i8")
+            for j, spec in enumerate(list_of(entry["table"], f"{what}.table"))
         )
         if not env.ndim == start.ndim == end.ndim == 1 or not env.size == start.size == end.size:
             raise SnapshotError(f"{what}.table: expected three arrays (E,) of equal length")
@@ -523,8 +454,8 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             raise SnapshotError(f"{what}.open_start: expected one exactly when num_envs is set")
         if n is not None:
             tl.num_envs = n
-            tl.open_start = _array(entry["open_start"], blobs, f"{what}.open_start", "<i8", (n,))
-            tl.finished_per_env = _array(
+            tl.open_start = array(entry["open_start"], blobs, f"{what}.open_start", "<i8", (n,))
+            tl.finished_per_env = array(
                 entry["finished_per_env"], blobs, f"{what}.finished_per_env", "<i8", (n,)
             )
             if n and (tl.open_start.min() < 0 or tl.open_start.max() > t):
@@ -535,14 +466,14 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             tl.load_gap_state(entry.get("gaps"))
         except ValueError as exc:
             raise SnapshotError(f"{what}.{exc}") from None
-        tl.episodes_finished = _count(entry["episodes_finished"], "episodes_finished")
-        tl.raw_bytes = _count(entry["raw_bytes"], "raw_bytes")
-        tl.wire_bytes = _count(entry["wire_bytes"], "wire_bytes")
-        tl.chunks_dropped = _count(entry["chunks_dropped"], "chunks_dropped")
+        tl.episodes_finished = count(entry["episodes_finished"], "episodes_finished")
+        tl.raw_bytes = count(entry["raw_bytes"], "raw_bytes")
+        tl.wire_bytes = count(entry["wire_bytes"], "wire_bytes")
+        tl.chunks_dropped = count(entry["chunks_dropped"], "chunks_dropped")
         if "feeder" in entry:
-            tails[tl.index] = _feeder(entry["feeder"], blobs, f"{what}.feeder", n)
+            tails[tl.index] = feeder(entry["feeder"], blobs, f"{what}.feeder", n)
         if "trajectory_ids" in entry:
-            ids = _array(entry["trajectory_ids"], blobs, f"{what}.trajectory_ids", "<i8")
+            ids = array(entry["trajectory_ids"], blobs, f"{what}.trajectory_ids", "<i8")
             if ids.ndim != 1 or ids.size > env.size or (ids.size and ids.min() < -1):
                 raise SnapshotError(
                     f"{what}.trajectory_ids: expected at most {env.size} ids >= -1 (one per "
@@ -557,7 +488,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
         raise SnapshotError(f"state.capture_runtime{text}") from None
     store = meta["store"]
     if store is not None and session.processor.store is not None:
-        data = bytes(_blob(blobs, store, "state.store"))
+        data = bytes(blob(blobs, store, "state.store"))
         try:
             session.processor.load_trajectory_store_checkpoint_data(
                 data, max_bytes=limits.max_upload_bytes
@@ -572,53 +503,3 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
             session.dataset = DatasetCursor.from_state(meta["dataset"])
         except ValueError as exc:
             raise SnapshotError(f"state.dataset: {exc}") from None
-
-
-def _feeder(spec: Any, blobs: list[memoryview], what: str, n: int | None) -> dict[str, np.ndarray]:
-    """A worker's open-episode sums: a return and an outcome code per environment."""
-    spec = _dict(spec, what)
-    if set(spec) != {"open_return", "open_code"} or n is None:
-        raise SnapshotError(
-            f"{what}: expected 'open_return' and 'open_code' of a worker with chunks, got "
-            f"{shown(sorted(map(str, spec)))}"
-        )
-    codes = _array(spec["open_code"], blobs, f"{what}.open_code", "<i8", (n,))
-    if codes.size and (codes.min() < 0 or codes.max() >= _NUM_OUTCOMES):
-        raise SnapshotError(f"{what}.open_code: expected codes 0..{_NUM_OUTCOMES - 1}")
-    returns = _array(spec["open_return"], blobs, f"{what}.open_return", "<f8", (n,))
-    return {"open_return": returns, "open_code": codes}
-
-
-def _restore_lifecycle(
-    session: Any, meta: dict[str, Any], worker_ids: list[str], indexes: list[int]
-) -> None:
-    """Active workers, forgotten ones and lost sequences (a state without them: every
-    worker active)."""
-    from ..session import MAX_FORGOTTEN, check_worker_id
-
-    life = meta.get("lifecycle")
-    if life is None:
-        life = {"active": worker_ids, "forgotten": [], "next_index": len(worker_ids)}
-    active = life["active"]
-    if not isinstance(active, list) or not set(active) <= set(worker_ids):
-        raise SnapshotError("state.lifecycle.active: expected ids of the state's workers")
-    if len(active) > session.max_workers:
-        raise SnapshotError(
-            f"state.lifecycle.active: this server allows at most {session.max_workers} "
-            f"active workers per session, got {len(active)}"
-        )
-    forgotten = life["forgotten"]
-    if not isinstance(forgotten, list) or len(forgotten) > MAX_FORGOTTEN:
-        raise SnapshotError(
-            f"state.lifecycle.forgotten: expected at most {MAX_FORGOTTEN} [id, sequence] pairs"
-        )
-    for worker_id, seq in forgotten:
-        session.forgotten[check_worker_id(str(worker_id))] = _count(seq, "forgotten.sequence")
-    lost = life.get("sequences_lost", {})
-    if not isinstance(lost, dict) or not set(lost) <= set(worker_ids) | set(session.forgotten):
-        raise SnapshotError("state.lifecycle.sequences_lost: expected counts of known workers")
-    session.sequences_lost = {str(w): _count(n, "sequences_lost") for w, n in lost.items()}
-    session.active = set(active)
-    session.next_index = max(
-        _count(life["next_index"], "lifecycle.next_index"), indexes[-1] + 1 if indexes else 0
-    )
