@@ -166,3 +166,42 @@ def test_records_of_a_session_no_checkpoint_holds_are_reported_with_their_sequen
         assert any("records 0.." in line and "are gone" in line for line in lines), lines
     finally:
         server.stop(checkpoint=False)
+
+
+def test_a_torn_tail_is_recorded_as_a_loss_cause_that_outlives_a_restart(tmp_path):
+    from recorder_server.loss import LossKind
+
+    data = tmp_path / "data"
+    server = run_in_process(data, fsync="always")
+    rng = np.random.default_rng(3)
+    try:
+        with RolloutRecorder(target=server.address, session="s", worker_id="w") as rec:
+            for _ in range(3):
+                rec.record(chunk(rng))
+            rec.flush()
+    finally:
+        server.stop(checkpoint=False)
+    (segment,) = sorted((data / "wal").glob("wal-*.log"))
+    size = segment.stat().st_size
+    with open(segment, "r+b") as fh:
+        fh.truncate(size - 3)  # the last record (the worker's leave) only in part
+    server = run_in_process(data)
+    try:
+        (session,) = server.sessions.all()
+        (cause,) = session.loss_causes
+        assert cause.kind is LossKind.TORN_TAIL
+        torn = size - 3 - server.recovery.dropped_offset
+        assert cause.detail == (
+            f"a torn log tail of {torn} bytes at offset {server.recovery.dropped_offset} of "
+            f"{segment.name}"
+        )
+        assert server.recovery.loss_checkpoint is not None
+    finally:
+        server.stop(checkpoint=False)
+    server = run_in_process(data)  # from the checkpoint written at recovery
+    try:
+        (session,) = server.sessions.all()
+        assert session.loss_causes == [cause]
+        assert "dropped a torn log tail" not in "\n".join(server.recovery.lines())
+    finally:
+        server.stop(checkpoint=False)

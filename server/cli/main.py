@@ -9,7 +9,7 @@ import sys
 from importlib import metadata
 
 from ..extras import MissingExtraError
-from . import demo, export, health, serve, sessions, status, store
+from . import demo, export, health, serve, sessions, status, store, upgrade
 
 LOG_ENV = "ROLLOUT_RECORDER_LOG"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_parser(sub)
     export.add_parser(sub)
     store.add_parser(sub)
+    upgrade.add_parser(sub)
     return parser
 
 

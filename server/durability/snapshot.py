@@ -35,6 +35,7 @@ from ..episodes import EpisodeTable, StoredChunk
 from ..errors import RequestError
 from ..limits import ServiceLimits
 from .state_fields import (
+    MAX_LOSS_CAUSES,
     SnapshotError,
     array,
     blob,
@@ -43,12 +44,15 @@ from .state_fields import (
     dims_of,
     feeder,
     list_of,
+    loss_causes,
     mapping,
     restore_lifecycle,
 )
 
 MAGIC = b"RRSTATE1"
-FORMAT = "recorder.session_state.v2"
+# 3: the causes of loss recovery found (loss_causes). A v2 state reads as one without any.
+FORMAT = "recorder.session_state.v3"
+READ_FORMATS = ("recorder.session_state.v2", FORMAT)
 # Session counters a state carries, each an int in [0, 2**63).
 COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
 
@@ -189,16 +193,21 @@ def session_state(session: Any) -> tuple[dict[str, Any], list[bytes | memoryview
         "capture_runtime": session.processor.runtime_state_dict(),
         "store": store_blob,
         "dataset": session.dataset.state(),
+        "loss_causes": [
+            [c.kind.value, c.detail, c.worker_id, c.first_sequence]
+            for c in session.loss_causes[-MAX_LOSS_CAUSES:]
+        ],
     }
     return meta, blobs.items
 
 
 def session_config(meta: dict[str, Any]) -> SessionConfig:
     """The configuration a state was saved with (checked)."""
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READ_FORMATS:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise SnapshotError(
-            f"state: expected format {FORMAT!r}, got {got!r} (written by another version of "
+            f"state: expected format {' or '.join(map(repr, READ_FORMATS))}, got {got!r} "
+            "(written by another version of "
             "rollout-recorder?)"
         )
     try:
@@ -498,6 +507,7 @@ def _restore(session: Any, meta: dict[str, Any], blobs: list[memoryview], limits
     session.feeder.restore(tails, list(session.workers.values()))
     session.queue_unverified()
     session.feeder.trajectory_ids = {i: [ids] for i, ids in trajectory_ids.items()}
+    session.loss_causes = loss_causes(meta.get("loss_causes", []))
     if "dataset" in meta:  # a state from before the dataset sink has none
         try:
             session.dataset = DatasetCursor.from_state(meta["dataset"])

@@ -11,9 +11,13 @@ import numpy as np
 from recorder_client._wire import shown
 from recorder_client.capture_types import EpisodeOutcome
 
+from ..loss import LossCause, LossKind
+
 _NUM_OUTCOMES = len(EpisodeOutcome)
 # Longest saved message about a frame that reads as zeros.
 _MAX_MESSAGE = 4096
+# Most causes of loss one session's state keeps.
+MAX_LOSS_CAUSES = 256
 
 
 class SnapshotError(ValueError):
@@ -141,3 +145,31 @@ def restore_lifecycle(
     session.next_index = max(
         count(life["next_index"], "lifecycle.next_index"), indexes[-1] + 1 if indexes else 0
     )
+
+
+def loss_causes(value: Any) -> list[LossCause]:
+    """A state's causes of loss: [kind, detail, worker id, first sequence] each."""
+    entries = list_of(value, "state.loss_causes")
+    if len(entries) > MAX_LOSS_CAUSES:
+        raise SnapshotError(
+            f"state.loss_causes: expected at most {MAX_LOSS_CAUSES}, got {len(entries)}"
+        )
+    kinds = {k.value: k for k in LossKind}
+    causes = []
+    for i, entry in enumerate(entries):
+        what = f"state.loss_causes[{i}]"
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 4
+            or entry[0] not in kinds
+            or not isinstance(entry[1], str)
+            or len(entry[1]) > _MAX_MESSAGE
+            or not isinstance(entry[2], str)
+        ):
+            raise SnapshotError(
+                f"{what}: expected [kind in {sorted(kinds)}, detail of at most {_MAX_MESSAGE} "
+                f"characters, worker id, first sequence], got {shown(entry)}"
+            )
+        first = count(entry[3], f"loss_causes[{i}].first_sequence")
+        causes.append(LossCause(kinds[entry[0]], entry[1], entry[2], first))
+    return causes
