@@ -447,7 +447,7 @@ def test_an_unreachable_bucket_is_retried_until_it_takes_the_episodes(tmp_path: 
 
         assert wait_for(lambda: failures() >= 2, 20)
         lag = server.metrics.snapshot()["Recorder/dataset_lag_seconds/session=s"]
-        assert lag > 0.5  # seconds since the dataset last held every finished episode
+        assert lag > 0.5  # the age of the oldest finished episode not yet written
         waiting = shown()
         assert waiting["uri"] == uri and waiting["node"] == "n1"
         assert waiting["write_failures"] >= 2 and waiting["episodes_written"] == 0

@@ -159,7 +159,8 @@ def test_status_once_and_json_against_a_live_server(server_process):
         print(out.stdout)
         assert "live" in out.stdout and "w-a" in out.stdout and "chunks" in out.stdout
         row = next(line for line in out.stdout.splitlines() if line.startswith("live"))
-        assert row.split()[1:4] == ["1", "3", "30"]  # workers, chunks, steps
+        # Workers, chunks, env steps: 3 chunks of T=10 steps from N=3 envs.
+        assert row.split()[1:4] == ["1", "3", str(3 * 10 * 3)]
         js = subprocess.run(
             [
                 sys.executable,
@@ -178,6 +179,7 @@ def test_status_once_and_json_against_a_live_server(server_process):
         assert data["sessions"][0]["session"] == "live"
         assert data["sessions"][0]["chunks_stored"] == 3  # snake_case, a number
         assert data["sessions"][0]["chunks_dropped"] == 0  # zeros are kept
+        assert data["sessions"][0]["env_steps"] == 3 * 10 * 3
 
 
 def test_status_reports_an_unreachable_server():

@@ -1,6 +1,6 @@
 """`rollout-recorder status`: a live view of a running server (or one snapshot).
 
-Per session: its counters, a table of its workers (lag, ack latency, drops, losses) and, for a
+Per session: its counters (steps are env steps, T x N), a table of its workers (lag, ack latency, drops, losses) and, for a
 session with a trajectory store, a small text heatmap of the archive's visits over its first
 two cell-key fields. ``--json`` prints one snapshot with snake_case keys and every number as a
 JSON number, zeros included.
@@ -91,6 +91,7 @@ def as_json(reply: pb.MetricsReply, archives: dict[str, pb.ArchiveReply]) -> dic
     for s in reply.sessions:
         entry = dataclasses.asdict(session_status(s))
         entry["state_fields"] = list(entry["state_fields"])
+        entry["env_steps"] = sum(w.steps * w.num_envs for w in s.workers)  # T x N
         entry["store"] = bool(s.config.capture_config_json)
         archive = archives.get(s.session)
         if archive is not None:
@@ -124,7 +125,7 @@ def render(
     before = {s.session: s for s in previous.sessions} if previous else {}
     lines = [f"rollout-recorder: {len(reply.sessions)} sessions, up {reply.uptime_s:,.0f} s"]
     header = (
-        f"{'session':<16} {'workers':>7} {'chunks':>8} {'steps':>10} {'episodes':>9} "
+        f"{'session':<16} {'workers':>7} {'chunks':>8} {'env steps':>10} {'episodes':>9} "
         f"{'raw MB':>9} {'wire MB':>8} {'ratio':>6} {'MB/s':>7} {'full':>5} {'cells':>7} "
         f"{'store MB':>8}"
     )
@@ -137,7 +138,8 @@ def render(
         ratio = s.raw_bytes / s.wire_bytes if s.wire_bytes else 0.0
         lines.append(
             f"{s.session:<16} {len(s.workers):>7} {s.chunks_stored:>8} "
-            f"{s.num_recorded_steps:>10} {s.episodes_finished:>9} {s.raw_bytes / 1e6:>9.1f} "
+            f"{sum(w.steps * w.num_envs for w in s.workers):>10} {s.episodes_finished:>9} "
+            f"{s.raw_bytes / 1e6:>9.1f} "
             f"{s.wire_bytes / 1e6:>8.1f} {ratio:>6.1f} {rate:>7.1f} {str(s.is_full):>5} "
             f"{cells:>7.0f} {store / 1e6:>8.2f}"
         )
@@ -146,7 +148,7 @@ def render(
         if s.workers:
             lines.append(
                 f"  {'#':>3} {'worker':<28} {'chunks':>7} {'dropped':>7} {'lost':>5} "
-                f"{'steps':>9} {'episodes':>8} {'lag':>7} {'ack':>9} {'active':>6} "
+                f"{'env steps':>9} {'episodes':>8} {'lag':>7} {'ack':>9} {'active':>6} "
                 f"{'joined':>8}"
             )
         for w in s.workers:
@@ -154,7 +156,7 @@ def render(
             ack = acks.get(w.worker_id)
             lines.append(
                 f"  {w.worker_index:>3} {w.worker_id[:28]:<28} {w.chunks_stored:>7} "
-                f"{w.chunks_dropped:>7} {w.sequences_lost:>5} {w.steps:>9} "
+                f"{w.chunks_dropped:>7} {w.sequences_lost:>5} {w.steps * w.num_envs:>9} "
                 f"{w.episodes_finished:>8} {f'{lag:.1f}s':>7} "
                 f"{'-' if ack is None else f'{ack * 1e3:.1f}ms':>9} {str(w.active):>6} "
                 f"{_clock(w.joined_unix):>8}"

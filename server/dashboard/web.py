@@ -323,7 +323,7 @@ class Dashboard:
             "episodes_waiting": max(0, finished - written),
             "write_failures": int(totals.get("write_failures", 0)),
             "bytes_written": int(totals.get("bytes_written", 0)),
-            # Seconds since the dataset last held every finished episode (None without metrics).
+            # Age of the oldest finished episode not yet written (None without metrics).
             "lag_seconds": totals.get("lag_seconds"),
         }
 

@@ -33,6 +33,7 @@ from ..durability import records
 from ..errors import ErrorKind, RequestError
 from . import layout
 from .cursor import Intent
+from .lag import LagClock
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class _State:
     steps_at_flush: int = 0
     failures: int = 0
     retry_at: float = 0.0
-    caught_up: float = field(default_factory=time.monotonic)
+    lag: LagClock = field(default_factory=LagClock)
 
 
 class DatasetSink:
@@ -183,19 +184,18 @@ class DatasetSink:
             busy = any(now - s.last_used < QUIET_S for s in live)
             for session in live:
                 state = self._states.setdefault(session.name, _State())
-                if now < state.retry_at or not self._due(session, state, now, busy):
-                    continue
-                try:
-                    with session.dataset_lock:
-                        self._flush(session)
-                    state.failures = 0
-                except Exception as exc:  # noqa: BLE001 - retried with backoff
-                    self._failed(session.name, exc)
-                    state.failures += 1
-                    backoff = min(self.options.retry_max_seconds, 0.5 * 2**state.failures)
-                    state.retry_at = time.monotonic() + backoff
-                    self._lag(session.name, state, waiting=True)
-                state.last_flush = now
+                if now >= state.retry_at and self._due(session, state, now, busy):
+                    try:
+                        with session.dataset_lock:
+                            self._flush(session)
+                        state.failures = 0
+                    except Exception as exc:  # noqa: BLE001 - retried with backoff
+                        self._failed(session.name, exc)
+                        state.failures += 1
+                        backoff = min(self.options.retry_max_seconds, 0.5 * 2**state.failures)
+                        state.retry_at = time.monotonic() + backoff
+                    state.last_flush = now
+                self._measure_lag(session, state)
             names = {s.name for s in live}
             for name in [n for n in self._states if n not in names]:
                 del self._states[name]
@@ -255,14 +255,18 @@ class DatasetSink:
                 for w, tl in session.workers.items()
             )
         self.metrics.set("Recorder/dataset_pending_episodes", waiting, session=session.name)
-        self._lag(session.name, state, waiting=waiting > 0)
+        self._measure_lag(session, state)  # 0 as soon as the write is committed
 
-    def _lag(self, name: str, state: _State, *, waiting: bool) -> None:
-        """Seconds since the dataset last held every finished episode of the session."""
-        now = time.monotonic()
-        if not waiting:
-            state.caught_up = now
-        self.metrics.set("Recorder/dataset_lag_seconds", now - state.caught_up, session=name)
+    def _measure_lag(self, session: Any, state: _State) -> None:
+        """The session's Recorder/dataset_lag_seconds, once a tick and after each flush (a
+        copy of two small dicts under its lock)."""
+        with session.lock:
+            if session.dropped:
+                return
+            finished = {w: tl.episodes_finished for w, tl in session.workers.items()}
+            written = dict(session.dataset.written)
+        lag = state.lag.observe(time.monotonic(), finished, written)
+        self.metrics.set("Recorder/dataset_lag_seconds", lag, session=session.name)
 
     @staticmethod
     def _journal(session: Any, record: list) -> None:

@@ -89,7 +89,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "Recorder/dataset_lag_seconds",
         GAUGE,
-        "Seconds since the dataset last held every finished episode (0: caught up).",
+        "Age of the oldest finished episode not yet in the dataset (0: all written); "
+        "measured by the sink at least once a second.",
     ),
     # -- episodes
     MetricSpec(

@@ -368,15 +368,24 @@
   }
 
   // One chart over the history `h`: x is env steps or wall time, as the page's toggle says.
+  // On env steps, only the points since the latest reset at which env steps
+  // moved: a second without a new env step has no place of its own on that axis.
   function lineChart(canvas, h, series, opts) {
     opts = opts || {};
     const axis = state.xAxis;
     const xs = axis === "time" ? h.time : h.env_steps;
+    let from = 0;
+    if (axis !== "time") for (let i = 1; i < xs.length; i++) if (xs[i] < xs[i - 1]) from = i;
+    const keep = (i) => i >= from && (axis === "time" || i === from || xs[i] > xs[i - 1]);
     const format = opts.format || ((v) => fmt(v));
     const { ctx, w, h: height } = prepare(canvas);
     const pad = { l: 64, r: 10, t: 18, b: 18 };
     let lo = Infinity, hi = -Infinity;
-    for (const s of series) for (const v of s.values) if (v !== null && v !== undefined) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+    for (const s of series) {
+      s.values.forEach((v, i) => {
+        if (keep(i) && v !== null && v !== undefined) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
+      });
+    }
     ctx.fillStyle = "#6b7280";
     if (!xs.length || lo === Infinity) {
       state.charts[canvas.id] = { axis, from: null, to: null };
@@ -385,7 +394,8 @@
     }
     if (lo > 0) lo = 0; // rates and counts read from zero
     if (hi === lo) hi = lo + 1;
-    const x0 = Math.min(...xs), x1 = Math.max(Math.max(...xs), x0 + 1);
+    const shown = xs.filter((x, i) => keep(i));
+    const x0 = Math.min(...shown), x1 = Math.max(Math.max(...shown), x0 + 1);
     state.charts[canvas.id] = { axis, from: x0, to: x1 };
     const X = (x) => pad.l + ((x - x0) / (x1 - x0)) * (w - pad.l - pad.r);
     const Y = (v) => height - pad.b - ((v - lo) / (hi - lo)) * (height - pad.t - pad.b);
@@ -405,13 +415,14 @@
       ctx.beginPath();
       let down = false;
       s.values.forEach((v, i) => {
+        if (!keep(i)) return;
         if (v === null || v === undefined) { down = false; return; }
         if (down) ctx.lineTo(X(xs[i]), Y(v)); else ctx.moveTo(X(xs[i]), Y(v));
         down = true;
       });
       ctx.stroke();
       ctx.setLineDash([]);
-      const last = [...s.values].reverse().find((v) => v !== null && v !== undefined);
+      const last = s.values.filter((v, i) => keep(i)).reverse().find((v) => v !== null && v !== undefined);
       ctx.fillStyle = COLOURS[k % COLOURS.length];
       ctx.fillText(`${s.label}: ${last === undefined ? "–" : format(last)}`, pad.l + 4 + k * 150, 12);
     });
