@@ -100,6 +100,21 @@ ROWS: tuple[Row, ...] = (
         log="of 'liar' refused: chunk.action.data",
     ),
     Row(
+        key="corrupt-frame",
+        fault=(
+            "An acknowledged chunk's frame does not decode (its header checks passed; a state "
+            "field read after the ack)"
+        ),
+        guarantee=(
+            "`finish()` names the chunk (`DataLossError` carrying the result) and marks each "
+            "episode over it `corrupt`; the dataset marks them too (`read_episodes` leaves "
+            "them out unless `include_partial=True`); the store holds none of them"
+        ),
+        trainer="DataLossError",
+        told="player_inventory frame does not decode",
+        log="player_inventory frame does not decode",
+    ),
+    Row(
         key="bad-shape",
         fault="`record()` gets a chunk whose arrays do not share one `(T, N)`",
         guarantee=(

@@ -338,6 +338,49 @@ def lying_size(bench: Bench, session: str):
     return _refused_chunk(bench, session, "liar", action)
 
 
+def corrupt_frame(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
+    """Worker 0 records chunks 0..5; worker 1 (raw messages) chunks 0..3, whose chunk 1 has
+    an inventory frame that passes the header checks and does not decode."""
+    from test_verify_frames import broken_frame
+
+    from recorder_client._messages import array_to_proto
+
+    server = bench.shared
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(6))
+    rec.flush()
+    messages = []
+    for i in range(4):
+        arrays, states = chunk(1, i)
+        msg = pb.Chunk(sequence=i + 1)
+        for name in ("action", "reward", "done", "outcome"):
+            getattr(msg, name).CopyFrom(array_to_proto(arrays[name], pack=True))
+        for name, value in states.items():
+            frame = array_to_proto(value, pack=True)
+            if i == 1 and name == "player_inventory":
+                frame = broken_frame(value)
+            msg.states.append(pb.NamedArray(name=name, array=frame))
+        messages.append(msg)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        stub.Join(pb.JoinRequest(session=session, config=rec._config(), worker_id="w1"))
+        opened = pb.RecordOpen(session=session, worker_id="w1")
+        requests = [pb.RecordRequest(open=opened), *(pb.RecordRequest(chunk=m) for m in messages)]
+        acks = list(stub.Record(iter(requests), timeout=60))
+        assert [a.result for a in acks] == [pb.RecordAck.STORED] * 4, acks
+    with pytest.raises(DataLossError) as told:
+        rec.finish(pad_incomplete=False)
+    marked = told.value.trajectory
+    over = marked.episode_worker == marked.worker_ids.index("w1")
+    rows = np.flatnonzero(over & (marked.episode_partial == "corrupt"))
+    assert rows.size and (marked.episode_partial[~over] == "").all()
+    rec.close()
+    held = {0: list(range(6)), 1: list(range(4))}
+    # Chunk 1 of worker 1 holds zeros: no episode over it reaches the store or the dataset's
+    # default read, as if it were a hole.
+    return server, Outcome(session, held, seen=told.value, store={0: held[0], 1: [0, 2, 3]})
+
+
 def _refused_record(bench: Bench, session: str, spoil) -> tuple[RestartableServer, Outcome]:
     """A worker's record() of chunk 3, spoiled, between good ones."""
     server = bench.shared
@@ -424,6 +467,7 @@ SCENARIOS = {
     "corrupt-newest-checkpoint": corrupt_newest_checkpoint,
     "zstd-bomb": zstd_bomb,
     "lying-size": lying_size,
+    "corrupt-frame": corrupt_frame,
     "bad-shape": bad_shape,
     "changed-dtype": changed_dtype,
     "worker-id-in-use": worker_id_in_use,
