@@ -4,6 +4,7 @@ know. Against real `rollout-recorder serve` processes, killed with SIGKILL."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -169,39 +170,67 @@ def test_records_of_a_session_no_checkpoint_holds_are_reported_with_their_sequen
 
 
 def test_a_torn_tail_is_recorded_as_a_loss_cause_that_outlives_a_restart(tmp_path):
-    from recorder_server.loss import LossKind
+    """The torn record's first bytes name its session, worker and sequence: the cause goes
+    on that worker, from that sequence, and is kept by the checkpoint written at once."""
+    from recorder_server.loss import LossCause, LossKind
 
     data = tmp_path / "data"
     server = run_in_process(data, fsync="always")
     rng = np.random.default_rng(3)
-    try:
-        with RolloutRecorder(target=server.address, session="s", worker_id="w") as rec:
-            for _ in range(3):
-                rec.record(chunk(rng))
-            rec.flush()
-    finally:
-        server.stop(checkpoint=False)
+    rec = RolloutRecorder(
+        target=server.address, session="s", worker_id="w", reconnect_timeout=1, connect_timeout=1
+    )
+    for _ in range(3):
+        rec.record(chunk(rng))
+    rec.flush()
+    server.stop(0, checkpoint=False)
+    with contextlib.suppress(RecorderUnavailableError):
+        rec.close(timeout=1)
     (segment,) = sorted((data / "wal").glob("wal-*.log"))
     size = segment.stat().st_size
     with open(segment, "r+b") as fh:
-        fh.truncate(size - 3)  # the last record (the worker's leave) only in part
+        fh.truncate(size - 3)  # the last record, chunk 3, only in part
     server = run_in_process(data)
     try:
         (session,) = server.sessions.all()
-        (cause,) = session.loss_causes
-        assert cause.kind is LossKind.TORN_TAIL
-        torn = size - 3 - server.recovery.dropped_offset
-        assert cause.detail == (
-            f"a torn log tail of {torn} bytes at offset {server.recovery.dropped_offset} of "
-            f"{segment.name}"
+        offset = server.recovery.dropped_offset
+        detail = (
+            f"a torn log tail of {size - 3 - offset} bytes at offset {offset} of {segment.name}"
         )
+        assert session.loss_causes == [LossCause(LossKind.TORN_TAIL, detail, "w", 3)]
+        assert session.last_sequence["w"] == 2
+        assert "a C record of session 's', worker 'w'" in "\n".join(server.recovery.lines())
         assert server.recovery.loss_checkpoint is not None
     finally:
         server.stop(checkpoint=False)
     server = run_in_process(data)  # from the checkpoint written at recovery
     try:
         (session,) = server.sessions.all()
-        assert session.loss_causes == [cause]
+        assert session.loss_causes == [LossCause(LossKind.TORN_TAIL, detail, "w", 3)]
         assert "dropped a torn log tail" not in "\n".join(server.recovery.lines())
+    finally:
+        server.stop(checkpoint=False)
+
+
+def test_a_torn_record_that_held_no_chunk_costs_nothing(tmp_path):
+    data = tmp_path / "data"
+    server = run_in_process(data, fsync="always")
+    with RolloutRecorder(target=server.address, session="s", worker_id="w") as rec:
+        rec.record(chunk(np.random.default_rng(4)))
+    late = RolloutRecorder(
+        target=server.address, session="s", worker_id="w2", reconnect_timeout=1, connect_timeout=1
+    )
+    server.stop(0, checkpoint=False)  # the log ends with w2's join
+    with contextlib.suppress(RecorderUnavailableError):
+        late.close(timeout=1)
+    (segment,) = sorted((data / "wal").glob("wal-*.log"))
+    with open(segment, "r+b") as fh:
+        fh.truncate(segment.stat().st_size - 1)
+    server = run_in_process(data)
+    try:
+        (session,) = server.sessions.all()
+        assert session.loss_causes == []
+        assert session.chunks_stored == 1
+        assert "a J record of session 's', worker 'w2'" in "\n".join(server.recovery.lines())
     finally:
         server.stop(checkpoint=False)

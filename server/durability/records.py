@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -179,3 +180,24 @@ def decode(data: bytes | memoryview) -> Record:
             None if ref is None else (int(ref[0]), int(ref[1])),
         )
     return Record(kind, session, worker, body)
+
+
+def whose(prefix: bytes) -> tuple[bytes, str, str, int] | None:
+    """Kind, session, worker and (for a chunk, when it survived, else 0) sequence of a
+    record of which only ``prefix`` is left; None when the names did not survive."""
+    if len(prefix) < 1 + _NAMES.size or prefix[:1] not in _KINDS:
+        return None
+    ls, lw = _NAMES.unpack_from(prefix, 1)
+    end = 1 + _NAMES.size + ls + lw
+    if len(prefix) < end:
+        return None
+    try:
+        session = prefix[5 : 5 + ls].decode()
+        worker = prefix[5 + ls : end].decode()
+    except UnicodeDecodeError:
+        return None
+    sequence = 0
+    match = re.match(rb'.{4}\{"sequence":(\d+)[,}]', prefix[end:], re.DOTALL)
+    if prefix[:1] == CHUNK and match:
+        sequence = int(match.group(1))
+    return prefix[:1], session, worker, sequence

@@ -21,6 +21,7 @@ from ..loss import LossCause, LossKind
 from . import records, snapshot
 from .checkpoint import CheckpointDirectory, CheckpointError, read_checkpoint
 from .wal import ReplayResult, TornTail, replay
+from .wal_replay import RECORD_HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class RecoveryReport:
     and nothing was lost by the fallback)."""
     unreplayed: dict[tuple[str, str], Unreplayed] = field(default_factory=dict)
     """(session, worker) -> log records that could not be applied."""
+    torn_owner: str | None = None
+    """Whose record the torn tail was, when its first bytes say."""
     loss_checkpoint: str | None = None
     """A checkpoint written at once after a loss, so that the next start replays from past
     it and reports nothing again."""
@@ -101,7 +104,7 @@ class RecoveryReport:
             out.append(
                 f"dropped a torn log tail: {self.dropped_records} record(s){index}, never "
                 f"wholly written: {self.dropped_bytes} bytes at offset {self.dropped_offset} "
-                f"of {self.dropped_segment}"
+                f"of {self.dropped_segment}" + (f", a {self.torn_owner}" if self.torn_owner else "")
             )
         out.extend(f"log corruption: {c}" for c in self.corruptions)
         for (session, worker), u in sorted(self.unreplayed.items()):
@@ -227,7 +230,21 @@ def record_causes(sessions: Any, report: RecoveryReport, torn: TornTail | None) 
             f"a torn log tail of {torn.dropped_bytes} bytes at offset {torn.offset} of "
             f"{torn.segment.name}"
         )
-        for session in sessions.all():
-            session.loss_causes.append(LossCause(LossKind.TORN_TAIL, detail))
+        # The record header (24 bytes) and the start of its body may name whose it was.
+        owner = records.whose(torn.head[RECORD_HEADER_BYTES:])
+        if owner is None:  # it could have been anyone's
+            targets = [(s, "", 0) for s in sessions.all()]
+        else:
+            kind, name, worker, sequence = owner
+            session = next((s for s in sessions.all() if s.name == name), None)
+            if kind != records.CHUNK or session is None:
+                targets = []  # not a chunk, or of a session that is gone
+            else:
+                # Its sequence, when it survived; else the worker's next.
+                held = session.last_sequence.get(worker, 0)
+                targets = [(session, worker, sequence or held + 1)]
+            report.torn_owner = f"{kind.decode()} record of session {name!r}, worker {worker!r}"
+        for session, worker, first in targets:
+            session.loss_causes.append(LossCause(LossKind.TORN_TAIL, detail, worker, first))
             causes += 1
     return causes
