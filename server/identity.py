@@ -345,12 +345,16 @@ class Tombstones:
 
     def add(self, name: str, instances: set[str], when: float | None = None) -> None:
         """``instances``: proof() of each recorder that joined the session."""
+        self._put(proof(name), instances, when)
+
+    def _put(self, key: str, instances: set[str], when: float | None) -> None:
+        # Keyed by proof(name): a checkpoint of tombstones holds no session name.
         with self._lock:
-            old = self._dropped.pop(name, None)
+            old = self._dropped.pop(key, None)
             if old is not None:
                 self._members -= len(old.instances)
             members = frozenset(instances) | (old.instances if old else frozenset())
-            self._dropped[name] = Tombstone(time.time() if when is None else when, members)
+            self._dropped[key] = Tombstone(time.time() if when is None else when, members)
             self._members += len(members)
             while len(self._dropped) > 1 and (
                 len(self._dropped) > self._limit or self._members > self._members_limit
@@ -359,8 +363,8 @@ class Tombstones:
                 self._members -= len(gone.instances)
 
     def entries(self) -> list[list]:
-        """Every tombstone as JSON-ready ``[name, dropped_unix, [proofs]]``, oldest first
-        (for a checkpoint: a restart keeps refusing the dropped sessions' recorders)."""
+        """Every tombstone as JSON-ready ``[proof(name), dropped_unix, [proofs]]``, oldest
+        first (for a checkpoint: a restart keeps refusing the dropped sessions' recorders)."""
         with self._lock:
             return [[n, t.dropped_unix, sorted(t.instances)] for n, t in self._dropped.items()]
 
@@ -376,11 +380,11 @@ class Tombstones:
                 and isinstance(members, list)
                 and all(isinstance(m, str) for m in members)
             ):
-                self.add(name, set(members), float(when))
+                self._put(name, set(members), float(when))
 
     def get(self, name: str) -> Tombstone | None:
         with self._lock:
-            return self._dropped.get(name)
+            return self._dropped.get(proof(name))
 
     def check(self, name: str, instance: str, acked: int = 0) -> None:
         """Raise SESSION_DROPPED for a recorder of a dropped session. An instance that named

@@ -8,12 +8,14 @@ import contextlib
 import time
 
 import numpy as np
+import pytest
 from conftest import RestartableServer
 from reference_model import ReferenceRecorder
 
 from recorder_client import (
     RecorderUnavailableError,
     RolloutRecorder,
+    SessionDroppedError,
     drop_session,
     list_sessions,
 )
@@ -234,3 +236,28 @@ def test_a_torn_record_that_held_no_chunk_costs_nothing(tmp_path):
         assert "a J record of session 's', worker 'w2'" in "\n".join(server.recovery.lines())
     finally:
         server.stop(checkpoint=False)
+
+
+def test_a_drop_sticks_for_its_recorders_after_a_restart(tmp_path):
+    """The checkpoint written at the drop keeps its tombstone: after a kill -9 and a
+    restart, the dropped session's recorder is still refused and does not re-create it."""
+    server = RestartableServer(tmp_path / "data", "--checkpoint-every", "0").start()
+    rng = np.random.default_rng(6)
+    rec = RolloutRecorder(
+        target=server.address, session="gone", worker_id="w", reconnect_timeout=30
+    )
+    try:
+        rec.record(chunk(rng))
+        rec.flush()
+        drop_session(server.address, "gone")
+        server.kill()
+        server.start()
+        with pytest.raises(SessionDroppedError) as told:
+            rec.record(chunk(rng))
+            rec.flush(timeout=30)
+        assert "'gone'" in str(told.value)
+        assert sessions_after_restart(server.address) == []
+    finally:
+        with contextlib.suppress(SessionDroppedError):
+            rec.close(timeout=5)
+        server.stop()

@@ -60,6 +60,7 @@ def old_dir(tmp_path) -> Path:
     before = inspect(data)
     # The fixture is of the previous session state format, and nothing else is newer.
     assert set(before.states.values()) == {"recorder.session_state.v2"} != {snapshot.FORMAT}
+    assert set(before.payloads.values()) == {"recorder.checkpoint.v1"}
     assert not before.current and not before.unreadable
     return data
 
@@ -91,6 +92,7 @@ def test_upgrade_converts_in_place_after_a_backup(old_dir):
     assert "before: session states: recorder.session_state.v2 (1)" in done.stdout
     after = inspect(old_dir)
     assert after.current and set(after.states.values()) == {snapshot.FORMAT}
+    assert set(after.payloads.values()) == {snapshot.CHECKPOINT_FORMAT}
     # The files as they were, byte for byte, in the backup.
     (backup,) = old_dir.glob("backup-*")
     for relative, data in original.items():

@@ -123,7 +123,15 @@ class Durability:
                     entries.append(
                         {"meta": first - 1, "first_blob": first, "count": len(session_blobs)}
                     )
-            payload = snapshot.pack({"wal_next_index": cut, "sessions": entries}, blobs)
+                # Dropped sessions' recorders stay refused after a restart.
+                tombstones = sessions.tombstones.entries()
+            meta = {
+                "format": snapshot.CHECKPOINT_FORMAT,
+                "wal_next_index": cut,
+                "sessions": entries,
+                "tombstones": tombstones,
+            }
+            payload = snapshot.pack(meta, blobs)
             path = self.checkpoints.save(payload, cut, compress=False)
             if purge:
                 # Two copies of the state without the dropped session stand in for the

@@ -132,6 +132,12 @@ def load_checkpoint(
     for step, path in reversed(checkpoints.checkpoints()):
         try:
             meta, blobs = snapshot.unpack(read_checkpoint(path))
+            form = meta.get("format", "recorder.checkpoint.v1")
+            if form not in snapshot.CHECKPOINT_READ_FORMATS:
+                raise snapshot.SnapshotError(
+                    f"checkpoint: expected format {' or '.join(snapshot.CHECKPOINT_READ_FORMATS)}"
+                    f", got {form!r}"
+                )
             cut = int(meta["wal_next_index"])
             for entry in meta["sessions"]:
                 first, count = int(entry["first_blob"]), int(entry["count"])
@@ -144,6 +150,7 @@ def load_checkpoint(
             sessions.discard_all()  # a partly restored checkpoint leaves nothing behind
             newest_skipped = step if newest_skipped is None else newest_skipped
             continue
+        sessions.tombstones.load(meta.get("tombstones", []))
         report.checkpoint = str(path)
         report.sessions = len(meta["sessions"])
         return cut, newest_skipped

@@ -53,6 +53,10 @@ MAGIC = b"RRSTATE1"
 # 3: the causes of loss recovery found (loss_causes). A v2 state reads as one without any.
 FORMAT = "recorder.session_state.v3"
 READ_FORMATS = ("recorder.session_state.v2", FORMAT)
+# What a checkpoint holds around the sessions' states. 2: the dropped sessions' tombstones
+# (a v1 checkpoint, without a "format", has none).
+CHECKPOINT_FORMAT = "recorder.checkpoint.v2"
+CHECKPOINT_READ_FORMATS = ("recorder.checkpoint.v1", CHECKPOINT_FORMAT)
 # Session counters a state carries, each an int in [0, 2**63).
 COUNTERS = ("done_count", "num_recorded_steps", "env_steps", "chunks_stored", "chunks_dropped")
 

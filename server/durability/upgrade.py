@@ -7,6 +7,8 @@ what              where the version is                         current  also rea
 ================  ==========================================  =======  ========
 log segment       segment header, uint16 (wal.py)              2        -
 checkpoint file   header, uint16 format_version (checkpoint)   1        -
+checkpoint        "format" of what it holds around the         v2       v1
+contents          sessions (snapshot.CHECKPOINT_FORMAT)
 session state     "format" of each session's state             v3       v2
                   (snapshot.py; checkpoints, runtime state)
 dataset file      "layout" in each Parquet file's metadata     1        -
@@ -56,6 +58,8 @@ class Versions:
 
     segments: dict[str, int] = field(default_factory=dict)
     checkpoints: dict[str, int] = field(default_factory=dict)
+    payloads: dict[str, str] = field(default_factory=dict)
+    """checkpoint file -> the format of what it holds around the session states."""
     states: dict[str, str] = field(default_factory=dict)
     """"<checkpoint file>:<session>" -> the session state's format."""
     unreadable: list[str] = field(default_factory=list)
@@ -65,6 +69,7 @@ class Versions:
         return (
             all(v == wal.SEGMENT_VERSION for v in self.segments.values())
             and all(v == FORMAT_VERSION for v in self.checkpoints.values())
+            and all(v == snapshot.CHECKPOINT_FORMAT for v in self.payloads.values())
             and all(v == snapshot.FORMAT for v in self.states.values())
         )
 
@@ -79,6 +84,7 @@ class Versions:
         out = [
             summary("log segments", self.segments, wal.SEGMENT_VERSION),
             summary("checkpoint files", self.checkpoints, FORMAT_VERSION),
+            summary("checkpoint contents", self.payloads, snapshot.CHECKPOINT_FORMAT),
             summary("session states", self.states, snapshot.FORMAT),
         ]
         out.extend(f"unreadable: {u}" for u in self.unreadable)
@@ -104,6 +110,7 @@ def inspect(data_dir: Path) -> Versions:
             found.checkpoints[path.name] = struct.unpack_from("<H", data, 8)[0]
         try:
             meta, blobs = snapshot.unpack(read_checkpoint(path))
+            found.payloads[path.name] = meta.get("format", "recorder.checkpoint.v1")
             for entry in meta["sessions"]:
                 state = json.loads(bytes(blobs[entry["meta"]]))
                 found.states[f"{path.name}:{state.get('name')}"] = state.get("format")
