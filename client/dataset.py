@@ -104,13 +104,18 @@ def episode_files(fs: Any, root: str) -> list[str]:
     return sorted(found)
 
 
-def open_dataset(uri: str, *, storage_options: dict | None = None) -> Any:
-    """The episodes under ``uri`` as a ``pyarrow.dataset.Dataset`` (``session`` is a column).
+def open_dataset(
+    uri: str, *, storage_options: dict | None = None, session: str | None = None
+) -> Any:
+    """The episodes under ``uri`` as a ``pyarrow.dataset.Dataset`` (``session`` is a column);
+    with ``session``, that session's files alone (another may record other dtypes).
 
     Raises FileNotFoundError when no episode file is there yet."""
     _, pa, ds = _require()
     fs, root = filesystem(uri, storage_options)
     files = episode_files(fs, root)
+    if session is not None:
+        files = [p for p in files if f"/{PARTITION}={session}/" in f"/{p}"]
     if not files:
         raise FileNotFoundError(
             f"{uri}: no episode files (expected {PARTITION}=NAME/part-*.parquet, written by "
@@ -169,16 +174,19 @@ def read_episodes(
     _, pa, ds = _require()
     import pyarrow.compute as pc
 
-    dataset = open_dataset(uri, storage_options=storage_options)
+    files = episode_files(*filesystem(uri, storage_options))
+    if not files:
+        open_dataset(uri, storage_options=storage_options)  # raises FileNotFoundError
     # From the file paths: a scan of the partition column would read every row.
     marker = f"/{PARTITION}="
-    sessions = sorted({f"/{p}".rsplit(marker, 1)[1].split("/", 1)[0] for p in dataset.files})
+    sessions = sorted({f"/{p}".rsplit(marker, 1)[1].split("/", 1)[0] for p in files})
     if session is None:
         if len(sessions) != 1:
             raise ValueError(f"session: expected one of {sessions} (the dataset holds several)")
         session = sessions[0]
     elif session not in sessions:
         raise KeyError(f"session: expected one of {sessions}, got {session!r}")
+    dataset = open_dataset(uri, storage_options=storage_options, session=session)
     where = pc.field(PARTITION) == session
     if workers is not None:
         where &= pc.field("worker").isin([str(w) for w in workers])
