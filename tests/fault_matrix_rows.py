@@ -78,6 +78,42 @@ ROWS: tuple[Row, ...] = (
         log="skipping unusable checkpoint",
     ),
     Row(
+        key="drop-then-corrupt-checkpoint",
+        fault=(
+            "Another session is dropped, this one records on, then `kill -9` and the newest "
+            "checkpoint has a flipped byte"
+        ),
+        guarantee=(
+            "Recovery falls back to the other kept checkpoint and replays the log behind it: "
+            "every acknowledged chunk of this session is kept, and the dropped session does "
+            "not come back"
+        ),
+        trainer="nothing",
+        told="",
+        log="fell back to an older checkpoint",
+    ),
+    Row(
+        key="previous-format-data-dir",
+        fault="The data directory was written by the previous format version",
+        guarantee=(
+            "The server reads it as it is (`rollout-recorder upgrade` converts it in place "
+            "after a backup): every chunk it holds is returned, and recording goes on"
+        ),
+        trainer="nothing",
+        told="",
+        log="replayed 4 log records",
+    ),
+    Row(
+        key="unary-call-during-restart",
+        fault="`status()` and `list_sessions()` are called while the server restarts",
+        guarantee=(
+            "They wait for it up to `connect_timeout` and answer; nothing acknowledged is lost"
+        ),
+        trainer="nothing",
+        told="",
+        log="replayed",
+    ),
+    Row(
         key="zstd-bomb",
         fault="A zstd bomb: a chunk of a few KiB whose header declares a 1 GiB array",
         guarantee=(
@@ -135,6 +171,20 @@ ROWS: tuple[Row, ...] = (
         trainer="InvalidChunkError",
         told="action.dtype: expected int64 like this worker's earlier chunks, got int32",
         log=None,
+    ),
+    Row(
+        key="late-refusal",
+        fault=(
+            "The server refuses a chunk after `record()` returned (its action dtype differs "
+            "from another worker's in the session)"
+        ),
+        guarantee=(
+            "The recorder's next call of any kind (here `is_full`) raises `InvalidChunkError` "
+            "naming the field; every acknowledged chunk is stored"
+        ),
+        trainer="InvalidChunkError",
+        told="chunk.action.dtype: expected int64 like the session's earlier chunks, got int32",
+        log="chunk 1 of 'w1' refused: chunk.action.dtype",
     ),
     Row(
         key="worker-id-in-use",

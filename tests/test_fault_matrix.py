@@ -12,6 +12,8 @@ the server's log.
 
 from __future__ import annotations
 
+import shutil
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from recorder_client import (
     RolloutRecorder,
     WorkerIdInUseError,
     drop_session,
+    list_sessions,
 )
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
@@ -188,15 +191,22 @@ class Bench:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.uri = str(root / "dataset")
+        self.uris: dict[str, str] = {}
+        """Each server's dataset, by its address."""
         self.servers: list[RestartableServer] = []
         self._shared: RestartableServer | None = None
 
-    def own(self, *extra: str) -> RestartableServer:
+    def own(self, *extra: str, seed: Path | None = None) -> RestartableServer:
+        """A server of its own; `seed`: a data directory copied in first."""
         data = self.root / f"data-{len(self.servers)}"
-        flags = ["--dataset-uri", self.uri, "--dataset-flush-seconds", "0.1", "--node-id", "n1"]
+        if seed is not None:
+            shutil.copytree(seed, data)
+        # A dataset per server: one session's dtypes must not meet another's in a read.
+        uri = str(self.root / f"dataset-{len(self.servers)}")
+        flags = ["--dataset-uri", uri, "--dataset-flush-seconds", "0.1", "--node-id", "n1"]
         server = RestartableServer(data, *flags, "--checkpoint-every", "0", *extra)
         self.servers.append(server)
+        self.uris[server.address] = uri
         return server.start()
 
     @property
@@ -284,6 +294,16 @@ def torn_acked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outc
     return server, Outcome(session, {0: [*range(7), *range(10, 14)]}, seen=seen)
 
 
+def flip_newest_checkpoint(data_dir: Path) -> None:
+    """One byte of the checkpoint recovery tries first (the highest step; of its copies,
+    ckpt-<step>.rrc) flipped."""
+    paths = (data_dir / "checkpoints").glob("ckpt-*.rrc")
+    newest = max(paths, key=lambda p: (int(p.name[5:17]), -len(p.suffixes)))
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+
+
 def corrupt_newest_checkpoint(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
     server = bench.own()
     rec = recorder(server, session, 0)
@@ -293,15 +313,73 @@ def corrupt_newest_checkpoint(bench: Bench, session: str) -> tuple[RestartableSe
             rec.checkpoint()
     rec.flush()
     server.kill()
-    newest = sorted((server.data_dir / "checkpoints").glob("ckpt-*.rrc"))[-1]
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    newest.write_bytes(bytes(data))
+    flip_newest_checkpoint(server.data_dir)
     server.start()
     send(rec, 0, range(12, 14))
     rec.flush(timeout=60)
     rec.close()
     return server, Outcome(session, {0: list(range(14))})
+
+
+def drop_then_corrupt_checkpoint(bench: Bench, session: str):
+    server = bench.own()
+    dropped = recorder(server, session + "-dropped", 1)
+    send(dropped, 1, range(3))
+    dropped.close()
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(2))
+    rec.checkpoint()
+    drop_session(server.address, session + "-dropped")
+    send(rec, 0, range(2, 12))
+    rec.flush()
+    server.kill()
+    flip_newest_checkpoint(server.data_dir)
+    server.start()
+    send(rec, 0, range(12, 14))
+    rec.flush(timeout=60)
+    rec.close()
+    assert session + "-dropped" not in [s["name"] for s in list_sessions(server.address)]
+    # Its finished episodes went to the dataset at the drop, once.
+    dropped_episodes = true_episodes({1: list(range(3))})
+    wait_written(bench.uris[server.address], session + "-dropped", sum(dropped_episodes.values()))
+    assert (
+        episodes_of(read_episodes(bench.uris[server.address], session + "-dropped"))
+        == dropped_episodes
+    )
+    return server, Outcome(session, {0: list(range(14))})
+
+
+def previous_format_data_dir(bench: Bench, session: str):
+    """The upgrade tests' fixture (written by the code before the current formats, with its
+    own truth) under the matrix's server; then a session of the matrix's own on it."""
+    from test_upgrade import FIXTURE, finish_matches_truth
+
+    server = bench.own(seed=FIXTURE / "data")
+    finish_matches_truth(server.address)
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(5))
+    rec.close()
+    return server, Outcome(session, {0: list(range(5))})
+
+
+def unary_call_during_restart(bench: Bench, session: str):
+    server = bench.own()
+    rec = recorder(server, session, 0, connect_timeout=30)
+    send(rec, 0, range(4))
+    rec.flush()
+    server.kill()
+    later = threading.Timer(1.0, server.start)
+    later.start()
+    try:
+        sessions = list_sessions(server.address, timeout=30)
+        status = rec.status()
+    finally:
+        later.join()
+    assert [s["name"] for s in sessions] == [session]
+    assert status.chunks_stored == 4 and status.sequences_lost == 0
+    send(rec, 0, range(4, 6))
+    rec.close()
+    return server, Outcome(session, {0: list(range(6))})
 
 
 def _refused_chunk(bench: Bench, session: str, worker_id: str, action: pb.ArrayData):
@@ -403,6 +481,29 @@ def changed_dtype(bench: Bench, session: str):
     return _refused_record(bench, session, lambda a: a.update(action=a["action"].astype(np.int32)))
 
 
+def late_refusal(bench: Bench, session: str):
+    server = bench.shared
+    first = recorder(server, session, 0)
+    send(first, 0, range(4))
+    first.flush()
+    other = recorder(server, session, 1)
+    arrays, states = chunk(1, 0)
+    arrays["action"] = arrays["action"].astype(np.int32)  # the session's are int64
+    assert other.record(arrays, states, outcome=arrays.pop("outcome"))
+    seen = None
+    deadline = time.monotonic() + 30
+    while seen is None and time.monotonic() < deadline:
+        try:
+            other.is_full  # noqa: B018 - a call of any kind raises the refusal
+        except InvalidChunkError as exc:
+            seen = exc
+        time.sleep(0.05)
+    other.close(timeout=5)
+    send(first, 0, range(4, 7))
+    first.close()
+    return server, Outcome(session, {0: list(range(7))}, seen=seen)
+
+
 def worker_id_in_use(bench: Bench, session: str):
     server = bench.shared
     first = recorder(server, session, 0)
@@ -465,11 +566,15 @@ SCENARIOS = {
     "torn-unacked-tail": torn_unacked_tail,
     "torn-acked-tail": torn_acked_tail,
     "corrupt-newest-checkpoint": corrupt_newest_checkpoint,
+    "drop-then-corrupt-checkpoint": drop_then_corrupt_checkpoint,
+    "previous-format-data-dir": previous_format_data_dir,
+    "unary-call-during-restart": unary_call_during_restart,
     "zstd-bomb": zstd_bomb,
     "lying-size": lying_size,
     "corrupt-frame": corrupt_frame,
     "bad-shape": bad_shape,
     "changed-dtype": changed_dtype,
+    "late-refusal": late_refusal,
     "worker-id-in-use": worker_id_in_use,
     "overclaiming-join": overclaiming_join,
     "drop-while-recording": drop_while_recording,
@@ -488,7 +593,7 @@ def test_fault(bench: Bench, row: Row):
     kind, message = seen_as(out.seen)
     assert kind == row.trainer, f"the trainer saw {kind}: {message}"
     assert row.told in message, message
-    check_holdings(server, bench.uri, out)
+    check_holdings(server, bench.uris[server.address], out)
     log = server.log()[logs_before.get(id(server), 0) :]
     if row.log is None:
         assert not [
