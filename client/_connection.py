@@ -47,10 +47,15 @@ class Connection:
                 ("grpc.max_send_message_length", _MESSAGE_CAP),
                 # A server that stops answering without closing the connection (a partition,
                 # a blackhole) is noticed by pings: one every keepalive_seconds of a call,
-                # the transport dropped when none is answered within keepalive_seconds more.
+                # the transport dropped when one is not answered within keepalive_seconds
+                # (gRPC's ping timeout covers every ping, its own flow-control ones too).
                 ("grpc.keepalive_time_ms", int(keepalive_seconds * 1000)),
                 ("grpc.keepalive_timeout_ms", int(keepalive_seconds * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(keepalive_seconds * 1000)),
                 ("grpc.http2.max_pings_without_data", 0),
+                # Redial at least every 5 s while the server is away (gRPC's backoff grows to
+                # 120 s): a healed network is used within seconds.
+                ("grpc.max_reconnect_backoff_ms", 5000),
             ],
         )
         self._stub = pb_grpc.RecorderStub(self._channel)

@@ -124,11 +124,16 @@ class DatasetSink:
         self.options = options
         self.node = check_node_id(options.node_id)
         self.fs, self.root = client_dataset.filesystem(options.uri, storage_options(options))
+        if hasattr(self.fs, "retries"):
+            # s3fs retries a timed-out request 5 times over botocore's own attempts: a store
+            # that stopped answering would hold one write for minutes. The sink retries.
+            self.fs.retries = 1
         self.sessions = sessions
         self.metrics = metrics
         self._states: dict[str, _State] = {}
         self._described: set[str] = set()
         self._stop = threading.Event()
+        self._lag_lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------
@@ -136,6 +141,8 @@ class DatasetSink:
         """Write what recovery left pending at once, then every flush interval."""
         self._thread = threading.Thread(target=self._run, name="recorder-dataset", daemon=True)
         self._thread.start()
+        # The lag moves while a write hangs on a store that stopped answering.
+        threading.Thread(target=self._publish_lag, name="recorder-dataset-lag", daemon=True).start()
 
     def close(self) -> None:
         """Stop the thread, then write every finished episode (as long as stop_timeout
@@ -195,7 +202,6 @@ class DatasetSink:
                         backoff = min(self.options.retry_max_seconds, 0.5 * 2**state.failures)
                         state.retry_at = time.monotonic() + backoff
                     state.last_flush = now
-                self._measure_lag(session, state)
             names = {s.name for s in live}
             for name in [n for n in self._states if n not in names]:
                 del self._states[name]
@@ -258,15 +264,25 @@ class DatasetSink:
         self._measure_lag(session, state)  # 0 as soon as the write is committed
 
     def _measure_lag(self, session: Any, state: _State) -> None:
-        """The session's Recorder/dataset_lag_seconds, once a tick and after each flush (a
-        copy of two small dicts under its lock)."""
+        """The session's Recorder/dataset_lag_seconds, every half second and after each
+        flush (a copy of two small dicts under its lock)."""
         with session.lock:
             if session.dropped:
                 return
             finished = {w: tl.episodes_finished for w, tl in session.workers.items()}
             written = dict(session.dataset.written)
-        lag = state.lag.observe(time.monotonic(), finished, written)
+        with self._lag_lock:
+            lag = state.lag.observe(time.monotonic(), finished, written)
         self.metrics.set("Recorder/dataset_lag_seconds", lag, session=session.name)
+
+    def _publish_lag(self) -> None:
+        """Measures the lag on its own thread: it keeps growing while a write hangs on a
+        store that stopped answering (the writer's thread is held then)."""
+        while not self._stop.wait(0.5):
+            for session in self.sessions.all():
+                state = self._states.get(session.name)
+                if state is not None:
+                    self._measure_lag(session, state)
 
     @staticmethod
     def _journal(session: Any, record: list) -> None:
