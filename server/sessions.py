@@ -182,9 +182,9 @@ class Sessions:
                 session.dropped = True
                 session.dropped_at = session.dropped_at or time.time()
                 del self._sessions[name]
-            if log:
-                # Its recorders are refused from now on, and told at once on an open stream.
-                self.tombstones.add(name, session.identity.members(), session.dropped_at)
+            # Its recorders are refused from now on (also when the drop is replayed: the
+            # checkpoint that would have kept its tombstone may not have been written).
+            self.tombstones.add(name, session.identity.members(), session.dropped_at)
         if log:
             session.identity.end_streams(dropped_error(name, session.dropped_at))
         session.close()

@@ -261,3 +261,31 @@ def test_a_drop_sticks_for_its_recorders_after_a_restart(tmp_path):
         with contextlib.suppress(SessionDroppedError):
             rec.close(timeout=5)
         server.stop()
+
+
+def test_a_replayed_drop_leaves_a_tombstone():
+    """A drop whose checkpoint was never written is replayed from the log: its recorders
+    are refused all the same."""
+    from recorder_server.chunks import SessionConfig
+    from recorder_server.errors import RequestError
+    from recorder_server.identity import proof
+    from recorder_server.metrics import NullMetrics
+    from recorder_server.sessions import ServiceLimits, Sessions
+
+    log: list[bytes] = []
+    live = Sessions(
+        ServiceLimits(), NullMetrics(), journal=lambda parts: log.append(b"".join(parts))
+    )
+    config = SessionConfig(None, False, ())
+    live.join("gone", config, "w", instance="recorder-1")
+    live.drop("gone")
+    replayed = Sessions(ServiceLimits(), NullMetrics())
+    for record in log:
+        replayed.replay(record)
+    assert replayed.all() == []
+    stone = replayed.tombstones.get("gone")
+    assert stone is not None and proof("recorder-1") in stone.instances
+    with pytest.raises(RequestError, match="'gone' was dropped"):
+        replayed.join("gone", config, "w", instance="recorder-1")
+    live.close()
+    replayed.close()
