@@ -67,6 +67,20 @@ ROWS: tuple[Row, ...] = (
         log="chunks 8..10 were acknowledged but are not held",
     ),
     Row(
+        key="unexplained-loss",
+        fault=(
+            "Under `--wal-fsync always` the log loses acknowledged chunks with no torn record "
+            "left (cut at a record boundary): no cause the server can name"
+        ),
+        guarantee=(
+            "The worker's rejoin is refused (`InvalidChunkError` naming its claim and what the "
+            "server holds), never counted as a power cut; every chunk still held is returned"
+        ),
+        trainer="InvalidChunkError",
+        told="acked_sequence: expected at most 4",
+        log="recovery: replayed 5 log records",  # its join and chunks 1..4
+    ),
+    Row(
         key="corrupt-newest-checkpoint",
         fault="The newest checkpoint is corrupt (one flipped byte), then `kill -9`",
         guarantee=(

@@ -124,8 +124,7 @@ def recorder(server: RestartableServer, session: str, worker: int, **kw) -> Roll
         session=session,
         worker_id=f"w{worker}",
         capture=CAPTURE,
-        reconnect_timeout=60,
-        **kw,
+        **{"reconnect_timeout": 60, **kw},
     )
 
 
@@ -302,6 +301,27 @@ def flip_newest_checkpoint(data_dir: Path) -> None:
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
+
+
+def unexplained_loss(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
+    server = bench.own("--wal-fsync", "always", "--dataset-flush-seconds", "3600")
+    rec = recorder(server, session, 0, connect_timeout=10, reconnect_timeout=10)
+    send(rec, 0, range(4))
+    rec.flush()
+    segment = sorted((server.data_dir / "wal").glob("wal-*.log"))[-1]
+    cut = segment.stat().st_size  # after chunk 4's record
+    send(rec, 0, range(4, 6))
+    rec.flush()
+    server.kill()
+    with open(segment, "r+b") as fh:
+        fh.truncate(cut)  # chunks 5 and 6 gone, at a record boundary
+    server.extra = server.extra[:-2]  # the matrix's dataset flush interval again
+    server.start()
+    send(rec, 0, [6])
+    with pytest.raises(InvalidChunkError) as refused:
+        rec.flush(timeout=30)
+    rec.close(timeout=5)
+    return server, Outcome(session, {0: list(range(4))}, seen=refused.value)
 
 
 def corrupt_newest_checkpoint(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
@@ -565,6 +585,7 @@ SCENARIOS = {
     "kill-9": kill_9,
     "torn-unacked-tail": torn_unacked_tail,
     "torn-acked-tail": torn_acked_tail,
+    "unexplained-loss": unexplained_loss,
     "corrupt-newest-checkpoint": corrupt_newest_checkpoint,
     "drop-then-corrupt-checkpoint": drop_then_corrupt_checkpoint,
     "previous-format-data-dir": previous_format_data_dir,
@@ -586,6 +607,7 @@ def test_every_row_has_a_scenario():
     assert len({row.key for row in ROWS}) == len(ROWS)
 
 
+@pytest.mark.slow  # the whole matrix: 25-60 s on 2 busy cores
 @pytest.mark.parametrize("row", ROWS, ids=[row.key for row in ROWS])
 def test_fault(bench: Bench, row: Row):
     logs_before = {id(s): len(s.log()) for s in bench.servers}
