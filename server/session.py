@@ -14,27 +14,23 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from recorder_client import _wire
-from recorder_client.capture_types import EpisodeOutcome, TrajectorySliceReference
 from recorder_client.status import SessionStatus, WorkerStatus
 
 from .chunks import (
     Chunk,
     Schema,
     SessionConfig,
-    SubmittedEpisode,
     check_schema,
     decode_chunk,
-    zero_frame,
 )
 from .dataset.cursor import DatasetCursor
 from .durability import records
-from .durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .episodes import Assembly, NoEpisodesError, StoredChunk, WorkerTimeline, assemble
-from .errors import ErrorKind, RequestError, invalid
+from .errors import ErrorKind, RequestError
 from .identity import (  # noqa: F401 - names and the sequence range, used from here too
     MAX_SEQUENCE,
     Identities,
@@ -47,7 +43,9 @@ from .identity import (  # noqa: F401 - names and the sequence range, used from 
 from .ingest import ChunkEpisodes, EpisodeFeeder
 from .ingest.verify import VERIFIER
 from .loss import LossCause
-from .store import EpisodeArrays, TrajectoryCaptureProcessor, build_store
+from .session_proofs import FrameProofs
+from .session_store import StoreVerbs
+from .store import TrajectoryCaptureProcessor, build_store
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ class SessionMetrics:
         self._metrics.log_many(values, step, session=self._session)
 
 
-class Session:
+class Session(FrameProofs, StoreVerbs):
     """One recording: every worker that joined it, in join order."""
 
     def __init__(
@@ -364,16 +362,24 @@ class Session:
             self.last_sequence[worker_id] = seq
             self.last_seen[worker_id] = self.last_used = time.monotonic()
             if self.is_full:
-                return self._drop_full(timeline)
-            if chunk.refused is not None:
-                raise chunk.refused
-            decoded = decode_chunk(chunk, self.config, self.feeder.alloc, self._lazy)
+                return self._drop_full(worker_id, timeline, seq, log)
+            try:
+                if chunk.refused is not None:
+                    raise chunk.refused
+                decoded = decode_chunk(chunk, self.config, self.feeder.alloc, self._lazy)
+            except RequestError:
+                self._skip(worker_id, timeline, seq, log, cut=True)
+                raise
             with self.lock:
                 if self.dropped:
                     raise dropped_error(self.name, self.dropped_at)
                 if self.is_full:
-                    return self._drop_full(timeline)
-                check_schema(self.schema, timeline.num_envs, decoded)
+                    return self._drop_full(worker_id, timeline, seq, log)
+                try:
+                    check_schema(self.schema, timeline.num_envs, decoded)
+                except RequestError:
+                    self._skip(worker_id, timeline, seq, log, cut=True)
+                    raise
                 if log and self.journal is not None:
                     try:
                         self.journal(records.chunk(self.name, worker_id, chunk))
@@ -442,13 +448,6 @@ class Session:
         first)."""
         return not self.feeder.needs(key)
 
-    def verify(self, chunks: Iterable[StoredChunk]) -> None:
-        """Prove these chunks' frames decode before they are read (finish(), the dataset
-        sink); each one is proved once, here or by the background verifier."""
-        for chunk in chunks:
-            if chunk.unverified:
-                self._verify_chunk(chunk)
-
     def queue_unverified(self) -> None:
         """Hand every stored chunk not yet proved to the background verifier (restored
         chunks)."""
@@ -458,60 +457,36 @@ class Session:
         if self._unverified:
             VERIFIER.submit(self)
 
-    def verify_some(self, limit: int) -> None:
-        for _ in range(limit):
-            try:
-                chunk = self._unverified.popleft()
-            except IndexError:
-                return
-            if chunk.unverified:
-                self._verify_chunk(chunk)
-
-    def verify_pending(self) -> int:
-        return len(self._unverified)
-
-    def take_late_refusals(self, worker_id: str) -> list[str]:
-        """Messages about this worker's chunks found not to decode since it was last told."""
-        if not self._late:
-            return []
-        with self._verify_lock:
-            return self._late.pop(worker_id, [])
-
-    def unverified_chunks(self) -> int:
-        """Stored chunks whose frames are not yet proved (the queue may hold some a reader
-        proved first)."""
-        return sum(1 for c in list(self._unverified) if c.unverified)
-
-    def _verify_chunk(self, chunk: StoredChunk) -> None:
-        # Marked verified only once done: a reader that finds it verified reads final frames.
-        with self._verify_lock:
-            corrupt = False
-            for key in chunk.unverified:
-                enc = chunk.arrays[key]
+    def _skip(
+        self, worker_id: str, timeline: WorkerTimeline, seq: int, log: bool, *, cut: bool
+    ) -> None:
+        """Chunk ``seq`` took its sequence and is not stored (refused, or dropped on a full
+        session): logged, so that a replay takes the sequence too and the worker's next
+        chunk follows it. A refused chunk's steps are a hole (``cut``): no episode spans it.
+        Call with the worker's lock held."""
+        with self.lock:
+            if log and self.journal is not None:
                 try:
-                    enc.prove(f"chunk.{key}")
-                except ValueError as exc:
-                    chunk.arrays[key] = zero_frame(enc)
-                    corrupt = True
-                    if chunk.worker and chunk.sequence:
-                        origin = f"chunk {chunk.sequence} of worker {chunk.worker!r}"
-                    elif chunk.worker:
-                        origin = f"the chunk at step {chunk.t0} of worker {chunk.worker!r}"
-                    else:
-                        origin = f"the chunk at step {chunk.t0}"
-                    message = (
-                        f"{origin} was acknowledged, but its {key} frame does not decode "
-                        f"({exc}); it reads as zeros"
-                    )
-                    chunk.corrupt = (*chunk.corrupt, message)
-                    logger.warning("session %r: %s", self.name, message)
-                    if chunk.worker:
-                        self._late.setdefault(chunk.worker, []).append(message)
-            if corrupt:  # a chunk, however many of its frames
-                self.metrics.inc("Recorder/chunks_corrupt", 1, session=self.name)
-            chunk.unverified = ()
+                    self.journal(records.skip(self.name, worker_id, seq, cut))
+                except OSError as exc:
+                    self.last_sequence[worker_id] = seq - 1  # not taken: it comes again
+                    raise RequestError(
+                        ErrorKind.STORAGE,
+                        f"data directory: cannot log that chunk {seq} of {worker_id!r} is not "
+                        f"stored ({exc.strerror or exc}); send it again once space is freed",
+                    ) from None
+            if cut:
+                timeline.cut()
 
-    def _drop_full(self, timeline: WorkerTimeline) -> Applied:
+    def skip(self, worker_id: str, seq: int, *, cut: bool) -> None:
+        """Replay a logged skip (`_skip`)."""
+        timeline = self.worker(worker_id)
+        with self._worker_locks[worker_id]:
+            self.last_sequence[worker_id] = max(self.last_sequence[worker_id], seq)
+            self._skip(worker_id, timeline, seq, False, cut=cut)
+
+    def _drop_full(self, worker_id: str, timeline: WorkerTimeline, seq: int, log: bool) -> Applied:
+        self._skip(worker_id, timeline, seq, log, cut=False)
         with self.lock:
             self.chunks_dropped += 1
             timeline.chunks_dropped += 1
@@ -605,102 +580,6 @@ class Session:
                 sequences_lost=sum(self.sequences_lost.values()),
                 idle_seconds=max(0.0, now - self.last_used),
             )
-
-    # -- trajectory store ------------------------------------------------
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until the store and metrics reflect every chunk taken so far."""
-        return self.feeder.drain(timeout)
-
-    def submit_episode(self, episode: SubmittedEpisode, *, log: bool = True) -> int:
-        """Record one whole episode (emulator-style producers); returns the episodes captured."""
-        self.touch()
-        self.drain()
-        try:
-            outcome = EpisodeOutcome(episode.outcome)
-        except ValueError:
-            raise invalid(
-                f"outcome: expected 0..{max(EpisodeOutcome)}, got {episode.outcome}"
-            ) from None
-        try:
-            arrays = EpisodeArrays(
-                episode.arrays["actions"].decode("episode.actions"),
-                episode.arrays["rewards"].decode("episode.rewards"),
-                {
-                    k[len("state:") :]: a.decode(f"episode.states[{k[6:]!r}]")
-                    for k, a in episode.arrays.items()
-                    if k.startswith("state:")
-                },
-            )
-        except (KeyError, ValueError) as exc:
-            raise invalid(f"episode: {exc}") from None
-        reference = None
-        if episode.start_reference is not None:
-            reference = TrajectorySliceReference(*episode.start_reference)
-        with self.lock:
-            if log and self.journal is not None:
-                self._journal(records.episode(self.name, episode))
-            try:
-                self.processor.record_episode(
-                    arrays,
-                    dict(episode.episode_data),
-                    episode.step,
-                    outcome=outcome,
-                    start_reference=reference,
-                )
-            except ValueError as exc:
-                raise invalid(f"episode: {exc}") from None
-        self.processor.log_metrics(episode.step)
-        return self.processor.runtime_state_dict()["counters"]["episodes_captured"]
-
-    def require_store(self, verb: str) -> None:
-        if self.processor.store is None:
-            raise RequestError(
-                ErrorKind.NO_STORE,
-                f"{verb}: session {self.name!r} has no trajectory store (it was created "
-                "without capture=)",
-            )
-
-    def sample_start(self) -> tuple[TrajectorySliceReference, EpisodeArrays] | None:
-        self.touch()
-        self.drain()
-        return self.processor.sample_start()
-
-    def snapshot_potential(self, utility_key: str, field_names: list[str]) -> dict:
-        self.touch()
-        self.drain()
-        try:
-            return self.processor.snapshot_potential(utility_key, field_names)
-        except ValueError as exc:
-            raise RequestError(ErrorKind.INVALID_QUERY, str(exc)) from None
-
-    def archive(self) -> dict | None:
-        """The cell archive as numpy columns after every chunk taken so far reached the store
-        (`TrajectoryCaptureProcessor.archive_table`); None without a store."""
-        self.touch()
-        self.drain()
-        return self.processor.archive_table()
-
-    def store_checkpoint(self, compress: bool, step: int) -> tuple[str, bytes] | None:
-        """The store as (file name, bytes in the checksummed checkpoint format), or None
-        without a store."""
-        self.drain()
-        file = self.processor.trajectory_store_checkpoint_file(compress, checkpoint_step=step)
-        if file is None:
-            return None
-        return file.name, encode_checkpoint(file.data, compress=False)
-
-    def load_store_checkpoint(self, data: bytes, max_bytes: int | None = None) -> None:
-        """Replace the store with one from store_checkpoint (of any server); ``max_bytes``
-        bounds the file as framed and as decompressed, before either is expanded."""
-        self.require_store("store checkpoint")
-        self.drain()
-        try:
-            payload = decode_checkpoint(
-                data, max_payload_bytes=max_bytes, source="store checkpoint"
-            )
-            self.processor.load_trajectory_store_checkpoint_data(payload, max_bytes=max_bytes)
-        except (CheckpointError, ValueError) as exc:
-            raise invalid(f"store checkpoint: {exc}") from None
 
     def _journal(self, record: list) -> None:
         append(self.journal, record)

@@ -271,6 +271,9 @@ class Sessions:
             self.drop(record.session, log=False)
         elif record.kind == records.CHUNK:
             self.get(record.session).apply(record.worker, record.body, log=False)
+        elif record.kind == records.SKIP:
+            skipped = record.body
+            self.get(record.session).skip(record.worker, skipped.sequence, cut=skipped.cut)
         elif record.kind == records.RESET:
             self.get(record.session).reset(log=False)
         elif record.kind == records.EPISODE:

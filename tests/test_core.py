@@ -30,6 +30,8 @@ CORE = [
     "episodes",
     "errors",
     "session",
+    "session_proofs",
+    "session_store",
     "sessions",
     "workload",
     "ingest",

@@ -209,6 +209,46 @@ def test_the_cut_survives_log_replay_and_a_checkpoint():
         live.close()
 
 
+def test_a_refused_chunk_is_a_hole_and_a_replay_takes_its_sequence():
+    """A chunk the server refuses after taking its sequence (here: another action dtype)
+    is a hole in the worker's steps, as lost chunks are; the log says so, so that a replay
+    takes the sequence and the chunks behind it too. So does a chunk dropped on a full
+    session, across a reset."""
+    rng = np.random.default_rng(9)
+    log: list[bytes] = []
+    limits = ServiceLimits(max_sessions=4)
+    live = Sessions(limits, NullMetrics(), journal=lambda parts: log.append(b"".join(parts)))
+    chunks = _real_chunks(rng, 8, 3, 0.25, 0)
+    refused = {2, 5}
+    try:
+        session, _ = live.join("run", CONFIG, "w")
+        for c, (action, reward, done) in enumerate(chunks):
+            sent = action.astype(np.int32) if c in refused else action
+            arrays = {"action": sent, "reward": reward, "done": done}
+            if c in refused:
+                with pytest.raises(RequestError, match="chunk.action.dtype"):
+                    session.apply("w", core_chunk(c + 1, arrays))
+            else:
+                session.apply("w", core_chunk(c + 1, arrays))
+        want = _expected(_truth(chunks, refused, 3), True, True)
+        assert _rows(session.assemble(True, True)) == want
+        full, _ = live.join("full", SessionConfig(1, False, ()), "w")
+        one = {"action": chunks[0][0], "reward": chunks[0][1], "done": np.ones((2, 3), bool)}
+        one = {k: v[:2] for k, v in one.items()}
+        full.apply("w", core_chunk(1, one))
+        full.apply("w", core_chunk(2, one))  # dropped: the session is full
+        full.reset()
+        full.apply("w", core_chunk(3, one))
+        replayed = Sessions(limits, NullMetrics())
+        for record in log:
+            replayed.replay(record)  # raises on a record that does not apply
+        assert _rows(replayed.get("run").assemble(True, True)) == want
+        assert replayed.get("full").status() == full.status()
+        replayed.close()
+    finally:
+        live.close()
+
+
 def test_rows_over_a_corrupt_chunk_are_marked():
     """A chunk whose action frame fails its proof after the ack: the rows that read it are
     marked corrupt, the others stay whole."""

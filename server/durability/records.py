@@ -3,12 +3,14 @@
 Record layout (integers little-endian)::
 
     kind (1 byte: J join, C chunk, R reset, E episode, L leave, D drop, W dataset write,
-    K dataset commit) | session length uint16
+    K dataset commit, S skip) | session length uint16
     | worker length uint16 | session (UTF-8) | worker (UTF-8) | payload
 
 Payloads: a join carries the session configuration, the client's acknowledged sequence and
 (when it named one) the digest of its instance id as JSON; a dataset write its intent as JSON (file number, generation, rows per worker); a dataset
-commit the file number as JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
+commit the file number as JSON; a skip (a chunk's sequence taken without storing the chunk:
+refused, or dropped on a full session) the sequence and whether it cuts the worker's episodes
+as JSON; a leave ``expired`` or nothing; a reset and a drop nothing; a chunk and an
 episode a uint32 header length, a JSON header (the arrays' keys, dtypes, shapes, codecs and
 sizes, plus the sequence or the episode's step, outcome, data and start reference) and the
 arrays' bytes as they arrived, back to back. A record is a list of buffers, written without
@@ -37,7 +39,8 @@ LEAVE = b"L"
 DROP = b"D"
 DATASET_WRITE = b"W"
 DATASET_COMMIT = b"K"
-_KINDS = (JOIN, CHUNK, RESET, EPISODE, LEAVE, DROP, DATASET_WRITE, DATASET_COMMIT)
+SKIP = b"S"
+_KINDS = (JOIN, CHUNK, RESET, EPISODE, LEAVE, DROP, DATASET_WRITE, DATASET_COMMIT, SKIP)
 _NAMES = struct.Struct("<HH")
 _HEADER = struct.Struct("<I")
 # Arrays in the log were checked when they arrived.
@@ -51,7 +54,7 @@ class Record:
     worker: str
     body: Any
     """Join, Chunk, SubmittedEpisode, Intent (dataset write), a file number (dataset commit),
-    "expired" or "" (leave), or None (reset, drop)."""
+    Skip, "expired" or "" (leave), or None (reset, drop)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,13 @@ class Join:
     acked: int = 0
     holder: str = ""
     """identity.proof() of the joining recorder's instance id ("": none named)."""
+
+
+@dataclass(frozen=True)
+class Skip:
+    sequence: int
+    cut: bool
+    """Whether the chunk's steps are a hole in the worker's episodes (a refused chunk)."""
 
 
 def _prefix(kind: bytes, session: str, worker: str) -> bytes:
@@ -98,6 +108,10 @@ def dataset_write(session: str, intent: Intent) -> list:
 
 def dataset_commit(session: str, seq: int) -> list:
     return [_prefix(DATASET_COMMIT, session, ""), json.dumps({"seq": seq}).encode()]
+
+
+def skip(session: str, worker: str, sequence: int, cut: bool) -> list:
+    return [_prefix(SKIP, session, worker), json.dumps({"sequence": sequence, "cut": cut}).encode()]
 
 
 def chunk(session: str, worker: str, value: Chunk) -> list:
@@ -166,6 +180,14 @@ def decode(data: bytes | memoryview) -> Record:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise ValueError(f"log record: dataset commit of file {seq!r}")
         body = seq
+    elif kind == SKIP:
+        data = json.loads(bytes(payload))
+        seq, cut = data.get("sequence"), data.get("cut")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"log record: skip of sequence {seq!r}")
+        if not isinstance(cut, bool):
+            raise ValueError(f"log record: skip with cut {cut!r}")
+        body = Skip(seq, cut)
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
         body = Chunk(int(header["sequence"]), arrays)
