@@ -57,24 +57,40 @@ def identity(action: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return action >> 40, (action >> 32) & 0xFF, action & 0xFFFFFFFF
 
 
-def expected_episodes(worker: int, indexes: list[int]) -> list[tuple]:
-    """The episodes of a fault-free recording of these chunks of one worker, each as
-    (worker, env, step ids, rewards, ended by done), pad_incomplete=True."""
-    parts = [chunk(worker, i) for i in indexes]
-    if not parts:
-        return []
-    action = np.concatenate([p["action"] for p in parts])
-    reward = np.concatenate([p["reward"] for p in parts])
-    done = np.concatenate([p["done"] for p in parts])
+def expected_episodes(
+    worker: int, indexes: list[int], lost: frozenset[int] = frozenset()
+) -> list[tuple]:
+    """The episodes finish() returns of these chunks of one worker, each as (worker, env,
+    step ids, rewards, ended by done), pad_incomplete=True. `indexes`: the chunks it sent, in
+    order (sequences 1, 2, ...); `lost`: the sequences lost after their ack. A lost one is a
+    hole: no episode spans it, and each env's first piece after it (its start was lost) is
+    left out; the piece before it is kept as an unfinished tail."""
+    runs: list[tuple[bool, list[int]]] = [(False, [])]
+    for sequence, i in enumerate(indexes, start=1):
+        if sequence in lost:
+            if runs[-1][1] or not runs[-1][0]:
+                runs.append((True, []))
+        else:
+            runs[-1][1].append(i)
     out = []
-    for env in range(N):
-        start = 0
-        for t in range(len(done)):
-            if done[t, env]:
-                out.append(_episode(worker, env, action[start : t + 1, env], reward, start, t + 1))
-                start = t + 1
-        if start < len(done):
-            out.append(_episode(worker, env, action[start:, env], reward, start, len(done), False))
+    for after_hole, run in runs:
+        if not run:
+            continue
+        parts = [chunk(worker, i) for i in run]
+        action = np.concatenate([p["action"] for p in parts])
+        reward = np.concatenate([p["reward"] for p in parts])
+        done = np.concatenate([p["done"] for p in parts])
+        for env in range(N):
+            start, pieces = 0, []
+            for t in range(len(done)):
+                if done[t, env]:
+                    ids = action[start : t + 1, env]
+                    pieces.append(_episode(worker, env, ids, reward, start, t + 1))
+                    start = t + 1
+            if start < len(done):
+                ids = action[start:, env]
+                pieces.append(_episode(worker, env, ids, reward, start, len(done), False))
+            out += pieces[1:] if after_hole else pieces
     return out
 
 
@@ -338,7 +354,9 @@ def test_lost_log_tail_reaches_every_affected_worker(tmp_path, style, caplog):
             w: [i for i in indexes if i + 1 not in lost.get(f"w{w}", [])]
             for w, indexes in sent.items()
         }
-        expected = [e for w in recs for e in expected_episodes(w, kept[w])]
+        expected = [
+            e for w in recs for e in expected_episodes(w, sent[w], frozenset(lost.get(f"w{w}", [])))
+        ]
         out = recs[0].finish()
         assert_same_episodes(episodes_of(out), expected)
         assert status.chunks_stored == sum(len(k) for k in kept.values())
