@@ -221,6 +221,23 @@ def test_directory_names_and_listing(tmp_path: Path) -> None:
             directory.path_for(bad)  # type: ignore[arg-type]
 
 
+def test_a_second_copy_of_a_step_is_listed_before_the_first_and_falls_back(tmp_path: Path) -> None:
+    directory = CheckpointDirectory(tmp_path)
+    older = directory.save(b"older", 2)
+    first = directory.save(b"state", 5)
+    copy = directory.save(b"state", 5, copy=1)
+    assert copy.name == "ckpt-000000000005.1.rrc"
+    assert [p for _, p in directory.checkpoints()] == [older, copy, first]
+    with pytest.raises(ValueError, match="copy"):
+        directory.path_for(5, 10)
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 1
+    first.write_bytes(bytes(data))
+    path, payload, skipped = directory.newest_good()
+    assert (path, payload) == (copy, b"state") and [p for p, _ in skipped] == [first]
+    assert directory.keep(2) == [older]
+
+
 def test_newest_good_skips_corrupt_newest(tmp_path: Path) -> None:
     directory = CheckpointDirectory(tmp_path)
     assert directory.newest_good() == (None, None, [])
