@@ -234,6 +234,18 @@ ROWS: tuple[Row, ...] = (
         told="dropped at",
         log="session 'drop-while-recording' dropped",
     ),
+    Row(
+        key="drop-then-kill-9",
+        fault="The session is dropped, then the server is killed (`kill -9`) and restarts",
+        guarantee=(
+            "The drop outlives the restart: the worker gets `SessionDroppedError` and does not "
+            "re-create the session; episodes it finished before the drop are in the dataset "
+            "once; a new recorder starts the session empty"
+        ),
+        trainer="SessionDroppedError",
+        told="dropped at",
+        log="replayed",
+    ),
 )
 
 

@@ -558,12 +558,15 @@ def overclaiming_join(bench: Bench, session: str):
     return server, Outcome(session, {0: list(range(7))}, seen=refused.value)
 
 
-def drop_while_recording(bench: Bench, session: str):
-    server = bench.shared
-    rec = recorder(server, session, 0, connect_timeout=10)
+def drop_while_recording(bench: Bench, session: str, restart: bool = False):
+    server = bench.own() if restart else bench.shared
+    rec = recorder(server, session, 0, connect_timeout=10, reconnect_timeout=30)
     send(rec, 0, range(5))
     rec.flush()
     drop_session(server.address, session)
+    if restart:
+        server.kill()
+        server.start()
     seen = None
     try:
         send(rec, 0, range(5, 7))
@@ -579,6 +582,10 @@ def drop_while_recording(bench: Bench, session: str):
         session, {1: list(range(4))}, seen=seen, dataset={0: list(range(5)), 1: list(range(4))}
     )
     return server, out
+
+
+def drop_then_kill_9(bench: Bench, session: str):
+    return drop_while_recording(bench, session, restart=True)
 
 
 SCENARIOS = {
@@ -599,6 +606,7 @@ SCENARIOS = {
     "worker-id-in-use": worker_id_in_use,
     "overclaiming-join": overclaiming_join,
     "drop-while-recording": drop_while_recording,
+    "drop-then-kill-9": drop_then_kill_9,
 }
 
 
