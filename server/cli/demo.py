@@ -191,7 +191,7 @@ def next_steps(dataset: Path) -> str:
         "What to try next:",
         "  - Watch a run on the dashboard: start a server with it,",
         f"      {command} serve --data-dir demo-data/server --http-listen 127.0.0.1:8080",
-        "    open http://127.0.0.1:8080, and record into it from another shell:",
+        "    open http://127.0.0.1:8080/?session=live, and record into it from another shell:",
         f"      {command} demo-worker --target 127.0.0.1:50051 --session live --chunks 2000",
         "  - Query this run's episodes (the Parquet dataset the server wrote), e.g. the best",
         "    returns, with DuckDB (pip install duckdb):",
