@@ -129,7 +129,7 @@ class WorkerTimeline:
             self.open_start = np.zeros(n, dtype=np.int64)
             self.finished_per_env = np.zeros(n, dtype=np.int64)
         assert self.open_start is not None and self.finished_per_env is not None
-        open_partial = self._open_partial()
+        open_partial = self._open_partial() if self.cuts else None
         t0 = self.t_total
         # Sorted by env, then by time: the order finish() lists episodes in. A flat search of
         # the flags copied env-major: np.nonzero of the transposed view is 2-5x as slow.
@@ -147,7 +147,8 @@ class WorkerTimeline:
             last = np.ones(end.size, dtype=bool)
             last[:-1] = env[1:] != env[:-1]
             self.open_start[env[last]] = end[last]
-            open_partial[env[last]] = False
+            if self.cuts:  # without a gap, no open start is unknown
+                open_partial[env[last]] = False
             np.add.at(self.finished_per_env, env, 1)
             self.table.env.append(env)
             self.table.start.append(start)
