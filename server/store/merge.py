@@ -42,7 +42,7 @@ from recorder_client.capture_types import TrajectoryTrainingConfiguration
 from ..durability.checkpoint import MAGIC as FRAME_MAGIC
 from ..durability.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
 from .cells import key_bytes
-from .store import CHECKPOINT_FORMAT, decode_checkpoint_state, encode_checkpoint_state
+from .store_checkpoint import CHECKPOINT_FORMAT, decode_checkpoint_state, encode_checkpoint_state
 
 MERGE_FORMAT = "recorder.trajectory_store_merge.v1"
 

@@ -1,41 +1,52 @@
-"""TrajectoryStore: the archive, repository, curriculum and utilities behind one writer lock.
-
-Readers never see a half-applied episode: every method that reads more than one field copies
-what it needs under the lock and builds its (fresh, plain) result after releasing it.
+"""TrajectoryStore: StoreState (store_state.py) plus the writes: recording episodes, sampling
+starts, metrics and checkpoints, each applied under the one writer lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from recorder_client.capture_types import (
     EpisodeOutcome,
-    OutcomeRule,
     TrajectoryKey,
     TrajectorySliceReference,
     TrajectoryTrainingConfiguration,
 )
 
-from . import codec, kernels
 from . import curriculum as curriculum_mod
 from .archive import CellArchive
+from .arguments import _batch_args, _check_step, _resolve_outcomes
 from .cells import cell_keys, field_column
-from .curriculum import Curriculum
 from .repository import TrajectoryRepository, decode_episode, encode_episode
+from .results import BatchResult, CellInfo, EpisodeRecord
 from .sources import EpisodeArrays, EpisodeList, EpisodeSource, as_source
-from .utilities import UtilityTable, aggregate
+from .store_checkpoint import (
+    CHECKPOINT_FORMAT,
+    _check_refcounts,
+    decode_checkpoint_state,
+    encode_checkpoint_state,
+)
+from .store_state import StoreState
+from .utilities import UtilityTable
+
+# Re-exported: these names are imported from this module.
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "BatchResult",
+    "CellInfo",
+    "EpisodeRecord",
+    "TrajectoryStore",
+    "decode_checkpoint_state",
+    "encode_checkpoint_state",
+]
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "recorder.trajectory_store.v1"
 # sample_start remembers this many handed-out starts so that the episode run from one can be
 # credited to its cell without decoding the trajectory again.
 _MAX_PENDING_STARTS = 1 << 16
@@ -43,119 +54,10 @@ _MAX_PENDING_STARTS = 1 << 16
 # this many seconds (at 100,000 cells they cost ~2 ms, about the rest of a chunk's store work).
 _GAUGE_CELLS = 10_000
 _GAUGE_PERIOD = 1.0
-_OUTCOMES = tuple(EpisodeOutcome(i) for i in range(len(EpisodeOutcome)))
 
 
-@dataclass(frozen=True)
-class EpisodeRecord:
-    """What the store did with one episode."""
-
-    trajectory_id: int
-    """The id the episode got (ids advance for every episode, stored or not)."""
-    stored: bool
-    """Whether the repository kept it (it became some cell's best reference)."""
-    outcome: EpisodeOutcome
-    """The outcome recorded, after the configured rule."""
-    new_cells: int
-    """Cells first seen in this episode."""
-    improved_cells: int
-    """Cells whose best reference moved to this episode (new cells included)."""
-
-
-@dataclass(frozen=True, eq=False)
-class BatchResult:
-    """What the store did with a batch of episodes, one entry per episode, in order."""
-
-    first_trajectory_id: int
-    """The id of the batch's first episode; episode i got ``first_trajectory_id + i``."""
-    codes: np.ndarray
-    """(E,) int64 outcome codes recorded, after the configured rule."""
-    new_cells: np.ndarray
-    """(E,) int64 cells first seen in each episode."""
-    improved_cells: np.ndarray
-    """(E,) int64 cells whose best reference moved to each episode (new cells included); an
-    episode was stored exactly when its count is non-zero."""
-
-    def __len__(self) -> int:
-        return int(self.codes.shape[0])
-
-    def records(self) -> list[EpisodeRecord]:
-        """One EpisodeRecord per episode."""
-        first = self.first_trajectory_id
-        return [
-            EpisodeRecord(first + i, n > 0, _OUTCOMES[o], k, n)
-            for i, (o, k, n) in enumerate(
-                zip(
-                    self.codes.tolist(),
-                    self.new_cells.tolist(),
-                    self.improved_cells.tolist(),
-                    strict=True,
-                )
-            )
-        ]
-
-
-@dataclass(frozen=True)
-class CellInfo:
-    """A copy of one cell's archive entry."""
-
-    key: TrajectoryKey
-    visits: int
-    """Steps spent in the cell over all recorded episodes."""
-    first_seen_step: int
-    """The ``step`` passed to record_episode for the episode that first reached the cell."""
-    first_seen_offset: int
-    """The 0-based step within that episode at which it first reached the cell."""
-    times_chosen: int
-    """Times sample_start chose the cell."""
-    best_reference: TrajectorySliceReference
-    best_return: float
-    """Cumulative reward (float64) of the best reference, up to and including its step."""
-    midpoint_starts: int
-    """Episodes recorded with a start_reference into this cell."""
-
-
-class TrajectoryStore:
+class TrajectoryStore(StoreState):
     """Go-Explore-style trajectory store (see DESIGN.md, "Trajectory store")."""
-
-    def __init__(self, configuration: TrajectoryTrainingConfiguration, *, seed: int | None = None):
-        if not isinstance(configuration, TrajectoryTrainingConfiguration):
-            raise ValueError(
-                f"configuration: expected a TrajectoryTrainingConfiguration, got {configuration!r}"
-            )
-        self._config = configuration
-        self._lock = threading.Lock()
-        self._archive = CellArchive(len(configuration.cell_fields))
-        self._repository = TrajectoryRepository(configuration.repository_capacity_bytes)
-        self._utilities = UtilityTable(configuration.utilities)
-        self._curriculum = Curriculum(configuration.selection_power, seed)
-        self._pending: OrderedDict[tuple[int, int], TrajectoryKey] = OrderedDict()
-        self._counters = {"episodes": 0, "steps": 0, "last_new_cells": 0, "last_improved": 0}
-        # Per utility: the sign of each outcome code; gamma -> cached gamma ** k table.
-        self._sign_tables = [[u.sign(o) for o in EpisodeOutcome] for u in configuration.utilities]
-        self._power_tables: dict[float, np.ndarray] = {}
-        # (monotonic time, values) of the per-cell gauges last computed (see metrics()).
-        self._gauges: tuple[float, dict[str, float]] | None = None
-        kernels.warm_up()
-
-    # -- configuration -------------------------------------------------------------------------
-
-    @property
-    def configuration(self) -> TrajectoryTrainingConfiguration:
-        return self._config
-
-    @property
-    def key_names(self) -> tuple[str, ...]:
-        """Names of the cell-key fields, in key order."""
-        return self._config.key_names
-
-    @property
-    def utility_names(self) -> tuple[str, ...]:
-        return self._utilities.names
-
-    def __len__(self) -> int:
-        """Number of cells in the archive."""
-        return len(self._archive)
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -369,107 +271,11 @@ class TrajectoryStore:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def _field_columns(self, field_names: Any) -> list[int]:
-        names = self.key_names
-        if isinstance(field_names, str):
-            raise ValueError(
-                f"field_names: expected a list of names, got the string {field_names!r}"
-            )
-        cols = []
-        for f in field_names:
-            if f not in names:
-                raise ValueError(
-                    f"field_names: unknown field {f!r}; cell key fields are {list(names)}"
-                )
-            if names.index(f) in cols:
-                raise ValueError(f"field_names: field {f!r} given twice")
-            cols.append(names.index(f))
-        return cols
-
-    def snapshot_potential(
-        self, utility_key: str, field_names: list[str]
-    ) -> dict[tuple[int, ...], float]:
-        """``{(values of field_names): net value}`` as a fresh dict; fields left out are merged
-        (total sum / total visits over the merged cells)."""
-        u = self._utilities.index(utility_key)
-        cols = self._field_columns(field_names)
-        with self._lock:
-            n = len(self._archive)
-            keys = self._archive.keys[:n][:, cols]
-            sums = self._utilities.sums[u, :n].copy()
-            visits = self._archive.view("visits").astype(np.float64)
-        distinct = sorted(cols) == list(range(len(self.key_names)))
-        return aggregate(keys, sums, visits, distinct=distinct)
-
-    def start_probabilities(self) -> dict[TrajectoryKey, float]:
-        """The current start distribution ``{cell key: probability}``."""
-        with self._lock:
-            keys = self._archive.view("keys").copy()
-            times = self._archive.view("times_chosen").copy()
-        if not len(times):
-            return {}
-        w = curriculum_mod.start_weights(times, self._config.selection_power)
-        return dict(zip(map(tuple, keys.tolist()), (w / w.sum()).tolist(), strict=True))
-
-    def midpoint_start_counts(self) -> dict[TrajectoryKey, int]:
-        with self._lock:
-            return dict(self._curriculum.midpoint_counts)
-
-    def cell(self, key: TrajectoryKey) -> CellInfo | None:
-        """A copy of one cell's entry, or None when the archive lacks it."""
-        key = tuple(int(k) for k in key)
-        with self._lock:
-            i = self._archive.lookup(key)
-            if i is None:
-                return None
-            col = {name: self._archive.view(name)[i].item() for name in self._archive.cols}
-            mid = self._curriculum.midpoint_counts.get(key, 0)
-        return CellInfo(
-            key=key,
-            visits=col["visits"],
-            first_seen_step=col["first_seen_step"],
-            first_seen_offset=col["first_seen_offset"],
-            times_chosen=col["times_chosen"],
-            best_reference=TrajectorySliceReference(col["best_trajectory"], col["best_step"]),
-            best_return=col["best_return"],
-            midpoint_starts=mid,
-        )
-
-    def archive_columns(self) -> dict[str, np.ndarray]:
-        """Copies of the archive, one row per cell in first-seen order, taken under one lock:
-        ``keys`` (N, F), the per-cell columns (``visits``, ``times_chosen``,
-        ``first_seen_step``, ``best_trajectory``, ``best_step``, ``best_return``...),
-        ``utility/<name>`` sums, and ``midpoint_starts``."""
-        with self._lock:
-            n = len(self._archive)
-            out = self._archive.state_arrays()
-            out.update(self._utilities.state_arrays(n))
-            keys = out["keys"]
-            counts = self._curriculum.midpoint_counts
-            mid = [counts.get(k, 0) for k in map(tuple, keys.tolist())] if counts else []
-        out["midpoint_starts"] = np.array(mid, dtype=np.int64) if mid else np.zeros(n, np.int64)
-        return out
-
-    def cell_keys(self) -> list[TrajectoryKey]:
-        """Every cell key, in first-seen order."""
-        with self._lock:
-            return list(map(tuple, self._archive.view("keys").tolist()))
-
-    def trajectory(self, trajectory_id: int) -> EpisodeArrays | None:
-        """A stored trajectory decoded, or None when not (or no longer) stored."""
-        with self._lock:
-            blob = self._repository.blob(trajectory_id)
-        return None if blob is None else decode_episode(blob)
-
     def encode_deferred(self) -> None:
         """Encode every stored trajectory still read from a session's chunks (before those
         chunks go: a session reset)."""
         with self._lock:
             self._repository.encode_deferred()
-
-    def trajectory_ids(self) -> list[int]:
-        with self._lock:
-            return self._repository.ids()
 
     def metrics(self) -> dict[str, float]:
         """Store-derived metric values (tag suffixes, without the ``Trajectories/`` prefix).
@@ -621,126 +427,3 @@ class TrajectoryStore:
             )
             self._counters.update({k: v for k, v in counters.items() if k in self._counters})
             self._pending.clear()
-
-
-def _resolve_outcomes(rule: OutcomeRule, codes: np.ndarray, returns: np.ndarray) -> np.ndarray:
-    """(E,) int64 codes of :meth:`OutcomeRule.resolve` applied to every episode's code, given
-    their returns (0.0 for an empty episode), for the whole batch at once."""
-    if rule.kind == "none":
-        return codes
-    unknown = codes == EpisodeOutcome.UNKNOWN
-    if unknown.any():
-        derived = np.where(
-            returns > rule.threshold,
-            int(EpisodeOutcome.WIN),
-            np.where(returns < -rule.threshold, int(EpisodeOutcome.LOSS), int(EpisodeOutcome.DRAW)),
-        )
-        codes = np.where(unknown, derived, codes)
-    return codes
-
-
-def _check_step(step: Any, where: str) -> int:
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise ValueError(f"{where}: expected an int, got {step!r}")
-    return int(step)
-
-
-def _batch_args(
-    steps: Any, outcomes: Any, start_references: Any, count: int
-) -> tuple[np.ndarray, np.ndarray, list[TrajectorySliceReference | None]]:
-    """A batch's per-episode arguments, checked: (steps (E,), outcome codes (E,), references)."""
-    return (
-        _batch_steps(steps, count),
-        _batch_outcomes(outcomes, count),
-        _batch_references(start_references, count),
-    )
-
-
-def _batch_steps(steps: Any, count: int) -> np.ndarray:
-    """(E,) int64 global steps from one int or one per episode."""
-    if isinstance(steps, (int, np.integer)) and not isinstance(steps, bool):
-        return np.full(count, int(steps), dtype=np.int64)
-    if isinstance(steps, np.ndarray) and steps.dtype.kind in "iu" and steps.ndim == 1:
-        values = steps.astype(np.int64)
-    elif isinstance(steps, Sequence) and not isinstance(steps, str):
-        if count == 1 and len(steps) == 1:
-            return np.array([_check_step(steps[0], "step")], dtype=np.int64)
-        values = np.array(
-            [_check_step(s, f"steps[{i}]") for i, s in enumerate(steps)], dtype=np.int64
-        )
-    else:
-        raise ValueError(f"steps: expected an int or one int per episode, got {steps!r}")
-    if values.shape[0] != count:
-        raise ValueError(f"steps: expected {count} values (one per episode), got {len(values)}")
-    return values
-
-
-def _batch_outcomes(outcomes: Any, count: int) -> np.ndarray:
-    """(E,) int64 outcome codes, one per episode, from one outcome (enum, code or name) or a
-    sequence (or int array) of them; each checked as EpisodeOutcome.coerce checks it."""
-    if isinstance(outcomes, (EpisodeOutcome, int, str, np.integer)):
-        value = int(outcomes) if isinstance(outcomes, np.integer) else outcomes
-        return np.full(count, int(EpisodeOutcome.coerce(value)), dtype=np.int64)
-    if isinstance(outcomes, np.ndarray):
-        if outcomes.ndim == 1 and outcomes.dtype.kind in "iu" and outcomes.shape[0] == count:
-            # Int codes: a range check (out-of-range codes take the checked path).
-            if not count or (outcomes.min() >= 0 and outcomes.max() < len(_OUTCOMES)):
-                return outcomes.astype(np.int64)
-        outcomes = outcomes.tolist()
-    if not isinstance(outcomes, Sequence):
-        raise ValueError(f"outcomes: expected an outcome or one per episode, got {outcomes!r}")
-    if len(outcomes) != count:
-        raise ValueError(
-            f"outcomes: expected {count} values (one per episode), got {len(outcomes)}"
-        )
-    coerce = EpisodeOutcome.coerce
-    return np.fromiter(
-        (o if type(o) is EpisodeOutcome else coerce(o) for o in outcomes),
-        dtype=np.int64,
-        count=count,
-    )
-
-
-def _batch_references(refs: Any, count: int) -> list[TrajectorySliceReference | None]:
-    if refs is None:
-        return [None] * count
-    if not isinstance(refs, Sequence) or isinstance(refs, (str, TrajectorySliceReference)):
-        raise ValueError(f"start_references: expected None or one per episode, got {refs!r}")
-    if len(refs) != count:
-        raise ValueError(
-            f"start_references: expected {count} values (one per episode), got {len(refs)}"
-        )
-    for ref in refs:
-        if ref is not None and not isinstance(ref, TrajectorySliceReference):
-            raise ValueError(f"start_reference: expected a TrajectorySliceReference, got {ref!r}")
-    return list(refs)
-
-
-def _check_refcounts(archive: CellArchive, repository: TrajectoryRepository) -> None:
-    best = archive.view("best_trajectory")
-    if len(best) and best.min() < 0:
-        raise ValueError("trajectory store checkpoint: a cell has no best reference")
-    tids, counts = np.unique(best, return_counts=True)
-    expected = dict(zip(tids.tolist(), counts.tolist(), strict=True))
-    for tid in repository.ids():
-        if repository.refcount(tid) != expected.pop(tid, 0):
-            raise ValueError(f"trajectory store checkpoint: refcount of trajectory {tid} is wrong")
-    if expected:
-        raise ValueError(
-            f"trajectory store checkpoint: cells reference missing trajectories {sorted(expected)}"
-        )
-
-
-def encode_checkpoint_state(state: dict[str, Any], compress: bool) -> bytes:
-    """A :meth:`TrajectoryStore.checkpoint_state` dict as bytes (zstd frame when compress)."""
-    meta = {k: v for k, v in state.items() if k != "arrays"}
-    raw = codec.pack_arrays(state["arrays"], meta)
-    return codec.compress(raw) if compress else raw
-
-
-def decode_checkpoint_state(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Inverse of :func:`encode_checkpoint_state` (compressed or not, detected by magic)."""
-    arrays, meta = codec.unpack_arrays(codec.maybe_decompress(data))
-    if not isinstance(meta, dict):
-        raise ValueError(f"trajectory store checkpoint: expected a dict header, got {meta!r}")
-    return {**meta, "arrays": arrays}
