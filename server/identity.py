@@ -167,21 +167,23 @@ class Identities:
             return lease
         return None
 
+    def _refuse_other(self, worker_id: str, instance: str, now: float) -> None:
+        # Call with the lock held: raise WORKER_IN_USE when another instance's lease is live.
+        lease = self._live_other(worker_id, instance, now)
+        if lease is not None:
+            raise self._refuse(worker_id, lease, now)
+
     def check(self, worker_id: str, instance: str) -> None:
         """Raise WORKER_IN_USE when another instance holds the worker id."""
         instance, now = proof(instance), time.monotonic()
         with self._lock:
-            lease = self._live_other(worker_id, instance, now)
-            if lease is not None:
-                raise self._refuse(worker_id, lease, now)
+            self._refuse_other(worker_id, instance, now)
 
     def take(self, worker_id: str, instance: str) -> None:
         """A join: the instance holds the worker id (again), its grace counted from now."""
         instance, now = proof(instance), time.monotonic()
         with self._lock:
-            lease = self._live_other(worker_id, instance, now)
-            if lease is not None:
-                raise self._refuse(worker_id, lease, now)
+            self._refuse_other(worker_id, instance, now)
             lease = self._leases.get(worker_id)
             if lease is None or lease.instance != instance:
                 self._leases[worker_id] = Lease(instance, time.time(), now)
@@ -194,9 +196,7 @@ class Identities:
         """A Record stream of this instance opens; returns its epoch (the newest)."""
         instance, now = proof(instance), time.monotonic()
         with self._lock:
-            lease = self._live_other(worker_id, instance, now)
-            if lease is not None:
-                raise self._refuse(worker_id, lease, now)
+            self._refuse_other(worker_id, instance, now)
             lease = self._leases.get(worker_id)
             if lease is None or lease.instance != instance:
                 lease = self._leases[worker_id] = Lease(instance, time.time(), now)
@@ -238,8 +238,7 @@ class Identities:
             if lease is None:
                 return
             if instance is not None and lease.instance != instance:
-                if self._live_other(worker_id, instance, now) is not None:
-                    raise self._refuse(worker_id, lease, now)
+                self._refuse_other(worker_id, instance, now)
             if not lease.streams:
                 del self._leases[worker_id]
 

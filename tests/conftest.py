@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -229,3 +231,22 @@ def s3() -> Iterator[S3Server]:
             else:
                 os.environ[key] = value
         server.stop()
+
+
+def http(url: str, *, token: str | None = None, data: bytes | None = None, opener=None):
+    """(status, headers, body) of one request; errors are answers too."""
+    request = urllib.request.Request(url, data=data)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with (opener or urllib.request.build_opener(NoRedirect)).open(request, timeout=10) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers, err.read()
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are answers to look at, not to follow."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import http
 
 from recorder_client import CellField, RolloutRecorder, TrajectoryTrainingConfiguration
 from recorder_server import ServerOptions, start_server
@@ -110,23 +111,6 @@ def dashboard_server(tmp_path: Path):
         yield running
     finally:
         running.stop(grace=0)
-
-
-def http(url: str, *, token: str | None = None, data: bytes | None = None, opener=None):
-    """(status, headers, body) of one request; errors are answers too."""
-    request = urllib.request.Request(url, data=data)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with (opener or urllib.request.build_opener(_NoRedirect)).open(request, timeout=10) as r:
-            return r.status, r.headers, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers, err.read()
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,29 +19,13 @@ from http.cookiejar import CookieJar
 from pathlib import Path
 
 import pytest
+from conftest import NoRedirect, http
 
 from recorder_server import ServerOptions, start_server
 from recorder_server.durability import DurabilityOptions
 from recorder_server.httpserve import HttpListener
 
 TOKEN = "listeners-test-token-0123456789"
-
-
-def http(url: str, *, token: str | None = None, data: bytes | None = None, opener=None):
-    """(status, headers, body) of one request; errors are answers too."""
-    request = urllib.request.Request(url, data=data)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with (opener or urllib.request.build_opener(_NoRedirect)).open(request, timeout=10) as r:
-            return r.status, r.headers, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers, err.read()
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args, **kwargs):
-        return None
 
 
 def _token_file(tmp_path: Path) -> str:
@@ -145,7 +129,7 @@ def test_metrics_no_auth_serves_without_the_token_and_warns(tmp_path: Path):
 def _login(base: str) -> tuple[urllib.request.OpenerDirector, CookieJar]:
     """A browser logged in through the form: its opener and its cookie jar."""
     jar = CookieJar()
-    opener = urllib.request.build_opener(_NoRedirect, urllib.request.HTTPCookieProcessor(jar))
+    opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPCookieProcessor(jar))
     status, headers, _ = http(base + "/login", data=f"token={TOKEN}".encode(), opener=opener)
     assert status == 303 and len(jar) == 1, headers
     return opener, jar
