@@ -11,8 +11,8 @@ from harness import (
     Row,
     Scenario,
     aggregate,
+    ingest_specs,
     session_status,
-    worker_spec,
 )
 from procs import (
     run_workers,
@@ -42,21 +42,17 @@ def fleet_scenario(
         try:
             idle = server.status()
             cpu0 = server.cpu_s()
-            specs = [
-                worker_spec(
-                    ctx,
-                    "fleet",
-                    i,
-                    target=server.address,
-                    session="ingest",
-                    recorders=recorders,
-                    window=window,
-                    chunks=n,
-                    pool=n,
-                    num_envs=num_envs,
-                )
-                for i in range(processes)
-            ]
+            specs = ingest_specs(
+                ctx,
+                "fleet",
+                processes,
+                server.address,
+                recorders=recorders,
+                window=window,
+                chunks=n,
+                pool=n,
+                num_envs=num_envs,
+            )
             results, go_ns, machine = run_workers(specs, ctx.tmp / f"{name}-{rep}")
             out = aggregate(ctx, results, go_ns, machine, num_envs=num_envs)
             out["server_cpu_s"] = server.cpu_s() - cpu0

@@ -307,6 +307,15 @@ def worker_spec(
     }
 
 
+def ingest_specs(
+    ctx: Context, mode: str, count: int, target: str, **extra: Any
+) -> list[dict[str, Any]]:
+    """The specs of ``count`` workers w0, w1, ... recording to session "ingest" at ``target``."""
+    return [
+        worker_spec(ctx, mode, i, target=target, session="ingest", **extra) for i in range(count)
+    ]
+
+
 @functools.cache
 def serve_has_flag(flag: str) -> bool:
     """Whether this code's `rollout-recorder serve` takes `flag` (per its --help)."""

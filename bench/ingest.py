@@ -21,9 +21,9 @@ from harness import (
     dataset_drain,
     frames_proved,
     free_port,
+    ingest_specs,
     serve_has_flag,
     session_status,
-    worker_spec,
 )
 from poller import DashboardPoller
 from procs import (
@@ -121,20 +121,16 @@ def ingest_scenario(
                 holders.read_json("ready", 300)
             idle = server.status()
             cpu0 = server.cpu_s()
-            specs = [
-                worker_spec(
-                    ctx,
-                    "remote",
-                    i,
-                    target=server.address,
-                    session="ingest",
-                    compression_level=compression_level,
-                    capture=capture,
-                    pixels=pixels,
-                    **({"chunks": ctx.params.ingest_chunks * longer} if longer > 1 else {}),
-                )
-                for i in range(workers)
-            ]
+            specs = ingest_specs(
+                ctx,
+                "remote",
+                workers,
+                server.address,
+                compression_level=compression_level,
+                capture=capture,
+                pixels=pixels,
+                **({"chunks": ctx.params.ingest_chunks * longer} if longer > 1 else {}),
+            )
             # The page is opened as the workers are released: a poll at the start, then
             # one a second.
             results, go_ns, machine = run_workers(

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import Context, aggregate, session_status, worker_spec
+from harness import Context, aggregate, ingest_specs, session_status
 from procs import Child, run_workers
 
 RATE = 200  # samples per second
@@ -125,10 +125,7 @@ def profile_ingest(ctx: Context, workers: int = 4) -> dict[str, Any]:
         time.sleep(2.0)  # let every sampler attach before the clock starts
 
     try:
-        specs = [
-            worker_spec(ctx, "remote", i, target=server.address, session="ingest")
-            for i in range(workers)
-        ]
+        specs = ingest_specs(ctx, "remote", workers, server.address)
         results, go_ns, machine = run_workers(specs, d, on_ready=attach)
         agg = aggregate(ctx, results, go_ns, machine)
         agg["status"] = session_status(server.address, "ingest")

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Context, Params, worker_spec  # noqa: E402
+from harness import Context, Params, ingest_specs  # noqa: E402
 from procs import RecorderServer, run_workers  # noqa: E402
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -62,18 +62,9 @@ def one_run(
             argv += ["--nonblocking", "-f", "raw", "-o", spy_file] + (["--gil"] if gil else [])
             spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # py-spy attaches
-        specs = [
-            worker_spec(
-                ctx,
-                "remote",
-                i,
-                target=server.address,
-                session="ingest",
-                compression_level=1,
-                capture=capture,
-            )
-            for i in range(workers)
-        ]
+        specs = ingest_specs(
+            ctx, "remote", workers, server.address, compression_level=1, capture=capture
+        )
         results, go_ns, machine = run_workers(specs, tmp / "workers")
         after, faults1 = thread_cpu(pid), int(_stat(Path(f"/proc/{pid}/stat"))[7])
         if spy is not None:

@@ -12,9 +12,9 @@ from harness import (
     Row,
     Scenario,
     Skipped,
+    ingest_specs,
     median_run,
     serve_has_flag,
-    worker_spec,
 )
 from poller import DashboardPoller
 from procs import (
@@ -53,18 +53,9 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
             assert isinstance(on, DashboardServer)
             poller = DashboardPoller(f"http://{on.http_address}")
             specs = {
-                side: [
-                    worker_spec(
-                        ctx,
-                        "remote",
-                        i,
-                        target=server.address,
-                        session="ingest",
-                        chunks=chunks,
-                        bursts=True,
-                    )
-                    for i in range(workers)
-                ]
+                side: ingest_specs(
+                    ctx, "remote", workers, server.address, chunks=chunks, bursts=True
+                )
                 for side, server in servers.items()
             }
             sides: dict[str, list[Child]] = {}

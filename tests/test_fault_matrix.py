@@ -234,34 +234,39 @@ def bench(tmp_path_factory) -> Iterator[Bench]:
 # -- the scenarios, one per row --------------------------------------------------------------
 
 
-def kill_9(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
-    server = bench.own()
+def killed_once(
+    server: RestartableServer, session: str, acked: range, while_down, after: range
+) -> tuple[RestartableServer, Outcome]:
+    """Chunks ``acked`` acknowledged, the server killed, ``while_down(rec)`` done, the server
+    started again and chunks ``after`` sent: every chunk up to ``after``'s end is kept."""
     rec = recorder(server, session, 0)
-    send(rec, 0, range(5))
+    send(rec, 0, acked)
     rec.flush()
     server.kill()
-    send(rec, 0, range(5, 7))  # held by the client while the server is down
+    while_down(rec)
     server.start()
-    send(rec, 0, range(7, 10))
+    send(rec, 0, after)
     rec.flush(timeout=60)
     rec.close()
-    return server, Outcome(session, {0: list(range(10))})
+    return server, Outcome(session, {0: list(range(after.stop))})
+
+
+def kill_9(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
+    def held(rec: RolloutRecorder) -> None:
+        send(rec, 0, range(5, 7))  # held by the client while the server is down
+
+    return killed_once(bench.own(), session, range(5), held, range(7, 10))
 
 
 def torn_unacked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
     server = bench.own("--wal-fsync", "always")
-    rec = recorder(server, session, 0)
-    send(rec, 0, range(6))
-    rec.flush()
-    server.kill()
-    segment = sorted((server.data_dir / "wal").glob("wal-*.log"))[-1]
-    with open(segment, "ab") as fh:
-        fh.write(b"RRWL" + bytes(6))  # the start of a record header that never got further
-    server.start()
-    send(rec, 0, range(6, 9))
-    rec.flush(timeout=60)
-    rec.close()
-    return server, Outcome(session, {0: list(range(9))})
+
+    def torn(_rec: RolloutRecorder) -> None:
+        segment = sorted((server.data_dir / "wal").glob("wal-*.log"))[-1]
+        with open(segment, "ab") as fh:
+            fh.write(b"RRWL" + bytes(6))  # the start of a record header that never got further
+
+    return killed_once(server, session, range(6), torn, range(6, 9))
 
 
 def torn_acked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:

@@ -61,11 +61,10 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float):
     return out
 
 
-@pytest.fixture(scope="module")
-def bare_venv(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """A fresh venv holding `pip install <this project>`, no extras; returns (bin, env)."""
-    root = tmp_path_factory.mktemp("packaging")
-    source = root / "src"
+def project_source(parent: Path) -> Path:
+    """The project's build inputs (metadata, client/, server/) copied to ``parent``/src, so
+    that pip's build/ lands in the copy."""
+    source = parent / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", *(p.name for p in ROOT.glob("LICENSE*"))):
         shutil.copy2(ROOT / name, source / name)
@@ -73,6 +72,14 @@ def bare_venv(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         shutil.copytree(
             ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
         )
+    return source
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A fresh venv holding `pip install <this project>`, no extras; returns (bin, env)."""
+    root = tmp_path_factory.mktemp("packaging")
+    source = project_source(root)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -162,14 +169,7 @@ def test_the_wheel_carries_every_module_and_the_dashboard_files(tmp_path):
     the `packages` configuration."""
     import zipfile
 
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md", *(p.name for p in ROOT.glob("LICENSE*"))):
-        shutil.copy2(ROOT / name, source / name)
-    for package in ("client", "server"):
-        shutil.copytree(
-            ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
+    source = project_source(tmp_path)
     wheels = tmp_path / "wheels"
     cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation"]
     out = _run([*cmd, "-w", str(wheels), str(source)], tmp_path, dict(os.environ), 150)
