@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recorder_server.workload import EnvStates, Rollout, SyntheticVecEnv
+from recorder_server.workload import EnvStates, Rollout, SyntheticVecEnv, position_store
 
 STATE_FIELDS = ("player_positions", "player_inventory")
 FRAME_SIZE = 84  # the pixel rows' frames: (T, N, 84, 84) uint8
@@ -22,21 +22,7 @@ FRAME_SIZE = 84  # the pixel rows' frames: (T, N, 84, 84) uint8
 def store_configuration():
     """The store rows' configuration: 2 cell fields (positions, bucket 4) and 1 utility,
     fed by every episode: the reward-sign rule turns each return into a win or a loss."""
-    from recorder_client import (
-        CellField,
-        OutcomeRule,
-        TrajectoryTrainingConfiguration,
-        UtilityConfig,
-    )
-
-    return TrajectoryTrainingConfiguration(
-        cell_fields=(
-            CellField("player_positions", (0, 0), bucket=4, name="x"),
-            CellField("player_positions", (0, 1), bucket=4, name="y"),
-        ),
-        utilities=(UtilityConfig("win_proximity", gamma=0.99),),
-        outcome_rule=OutcomeRule("reward_sign"),
-    )
+    return position_store(gamma=0.99)
 
 
 @dataclass

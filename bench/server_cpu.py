@@ -100,37 +100,22 @@ def rows_server_cpu(results: dict[str, dict[str, Any]]) -> list[Row]:
     r = results.get("server_cpu")
     if not r:
         return []
-    base = r["no_metrics"]
-    rows = [
-        Row(
-            "server CPU",
-            f"server CPU ms per chunk, metrics on (in process, median of {len(r['rounds']['metrics'])})",
-            r["metrics"],
-            base,
-            "same, --no-metrics",
-            "ms",
-            "lower",
-            digits=2,
+    base, off = r["no_metrics"], "same, --no-metrics"
+
+    def ms_row(what: str, value: float, against: float, against_what: str) -> Row:
+        label = f"server CPU ms per chunk, {what}"
+        return Row("server CPU", label, value, against, against_what, "ms", "lower", digits=2)
+
+    runs = len(r["rounds"]["metrics"])
+    return [
+        ms_row(f"metrics on (in process, median of {runs})", r["metrics"], base, off),
+        ms_row(
+            "Prometheus registry + TensorBoard + JSONL sinks", r["metrics_all_sinks"], base, off
         ),
-        Row(
-            "server CPU",
-            "server CPU ms per chunk, Prometheus registry + TensorBoard + JSONL sinks",
-            r["metrics_all_sinks"],
-            base,
-            "same, --no-metrics",
-            "ms",
-            "lower",
-            digits=2,
-        ),
-        Row(
-            "server CPU",
-            "server CPU ms per chunk, trajectory store on (2 cell fields, 1 utility)",
+        ms_row(
+            "trajectory store on (2 cell fields, 1 utility)",
             r["store_on"],
             r["metrics"],
             "same, store off",
-            "ms",
-            "lower",
-            digits=2,
         ),
     ]
-    return rows

@@ -8,7 +8,8 @@ that end episodes of random length, and two state fields: `player_positions`
 `frames` (T, N, F, F) uint8 draws each step as a pixel observation (F=84: the usual Atari
 size): a per-environment map of grey tiles, the player as a white square at its position, and
 an inventory bar along the top row. Frames are drawn from the other fields, so the random
-stream, and every other array, is the same with or without them.
+stream, and every other array, is the same with or without them. `position_store`: a trajectory
+store configuration over the positions, shared by the benchmarks and the cluster tests.
 """
 
 from __future__ import annotations
@@ -121,3 +122,24 @@ def _draw(background: np.ndarray, positions: np.ndarray, inventory: np.ndarray) 
     bar = np.arange(size)[None, None, :] < width[:, :, None]
     frames[:, :, 0, :] = np.where(bar, 200, frames[:, :, 0, :])
     return frames
+
+
+def position_store(gamma: float):
+    """A trajectory store configuration over ``player_positions``: cells of 4x4 grid squares
+    (x, y), one ``win_proximity`` utility discounted by ``gamma``, each episode won or lost by
+    its return's sign."""
+    from recorder_client import (
+        CellField,
+        OutcomeRule,
+        TrajectoryTrainingConfiguration,
+        UtilityConfig,
+    )
+
+    return TrajectoryTrainingConfiguration(
+        cell_fields=(
+            CellField("player_positions", (0, 0), bucket=4, name="x"),
+            CellField("player_positions", (0, 1), bucket=4, name="y"),
+        ),
+        utilities=(UtilityConfig("win_proximity", gamma=gamma),),
+        outcome_rule=OutcomeRule("reward_sign"),
+    )

@@ -34,21 +34,9 @@ DONE_P = 0.05
 
 def capture_config():
     """The sessions' trajectory store: cells of 4x4 positions, one utility."""
-    from recorder_client import (
-        CellField,
-        OutcomeRule,
-        TrajectoryTrainingConfiguration,
-        UtilityConfig,
-    )
+    from recorder_server.workload import position_store
 
-    return TrajectoryTrainingConfiguration(
-        cell_fields=(
-            CellField("player_positions", (0, 0), bucket=4, name="x"),
-            CellField("player_positions", (0, 1), bucket=4, name="y"),
-        ),
-        utilities=(UtilityConfig("win_proximity", gamma=0.9),),
-        outcome_rule=OutcomeRule("reward_sign"),
-    )
+    return position_store(gamma=0.9)
 
 
 def chunk(seed: int, index: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
