@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from store_helpers import CELL_STATS
 
 from recorder_client.capture_types import (
     CellField,
@@ -80,14 +81,7 @@ def test_archive_table_equals_a_hand_computation():
     assert set(table) == {
         "cell:x",
         "cell:y",
-        "visits",
-        "times_chosen",
-        "first_seen_step",
-        "best_return",
-        "best_length",
-        "best_trajectory_id",
-        "best_step",
-        "midpoint_starts",
+        *CELL_STATS,
         "selection_probability",
         "utility:win_proximity",
     }

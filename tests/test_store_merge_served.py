@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from store_helpers import CELL_STATS
 
 from recorder_client import (
     CellField,
@@ -91,16 +92,7 @@ def lead_in(address: str, steps: int) -> RolloutRecorder:
 def assert_same_archive(got, want) -> None:
     assert got.key_names == want.key_names and len(got) > 20
     np.testing.assert_array_equal(got.keys, want.keys)  # same cells, in the same order
-    for name in (
-        "visits",
-        "times_chosen",
-        "first_seen_step",
-        "best_return",
-        "best_length",
-        "best_trajectory_id",
-        "best_step",
-        "midpoint_starts",
-    ):
+    for name in CELL_STATS:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
     # Utility sums: the same terms, added per store and then across stores.
     np.testing.assert_allclose(got.selection_probability, want.selection_probability, rtol=1e-12)
