@@ -209,21 +209,21 @@ def catch_up(result: NodeResult) -> float:
     return round(took, 1)
 
 
+def s3_outage(run, node: str, outage_s: float, label: str) -> None:
+    """The node whose S3 path failed for ``outage_s`` lost nothing (`check_node`); its backlog
+    waited on disk, and the lag metric said so (it moves at each retry, 8 s apart)."""
+    counts = check_node(run, node)
+    result = run.nodes[node]
+    assert result.max_lag() >= outage_s - 10
+    report(label, counts, catch_up_s=catch_up(result), max_lag_s=result.max_lag())
+
+
 def test_a_node_cut_from_s3_for_30_s_catches_up_within_30_s_of_the_heal(run):
-    counts = check_node(run, "s3cut")
-    result = run.nodes["s3cut"]
-    # The backlog waited on disk, and the metric said so (it moves at each retry, 8 s apart).
-    assert result.max_lag() >= CUT_S - 10
-    report("s3 path cut 30 s", counts, catch_up_s=catch_up(result), max_lag_s=result.max_lag())
+    s3_outage(run, "s3cut", CUT_S, "s3 path cut 30 s")
 
 
 def test_a_node_blackholed_from_s3_for_30_s_catches_up_within_30_s_of_the_heal(run):
-    counts = check_node(run, "s3hole")
-    result = run.nodes["s3hole"]
-    assert result.max_lag() >= CUT_S - 10
-    report(
-        "s3 path blackholed 30 s", counts, catch_up_s=catch_up(result), max_lag_s=result.max_lag()
-    )
+    s3_outage(run, "s3hole", CUT_S, "s3 path blackholed 30 s")
 
 
 def test_trainers_cut_then_blackholed_from_their_sidecar_block_or_drop(run):
@@ -253,12 +253,7 @@ def test_a_node_lost_to_kill_9_restarts_from_its_data_dir_losing_nothing(run):
 
 
 def test_s3_answering_503_for_60_s_loses_nothing_and_catches_up(run):
-    counts = check_node(run, "s3503")
-    result = run.nodes["s3503"]
-    assert result.max_lag() >= ERRORS_S - 10
-    report(
-        "s3 answers 503 for 60 s", counts, catch_up_s=catch_up(result), max_lag_s=result.max_lag()
-    )
+    s3_outage(run, "s3503", ERRORS_S, "s3 answers 503 for 60 s")
 
 
 def test_the_merged_archive_equals_one_store_fed_the_union(run):

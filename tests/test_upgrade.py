@@ -74,13 +74,19 @@ def upgrade(data: Path, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_server_reads_a_data_dir_of_the_previous_format_as_it_is(old_dir):
-    server = RestartableServer(old_dir, "--checkpoint-every", "0").start()
+def serves_the_truth(data_dir: Path, replayed: int) -> None:
+    """A server started on ``data_dir`` replays ``replayed`` log records and finishes the
+    session as the truth has it."""
+    server = RestartableServer(data_dir, "--checkpoint-every", "0").start()
     try:
         finish_matches_truth(server.address)
-        assert "replayed 4 log records" in server.log()
+        assert f"replayed {replayed} log records" in server.log()
     finally:
         server.stop()
+
+
+def test_the_server_reads_a_data_dir_of_the_previous_format_as_it_is(old_dir):
+    serves_the_truth(old_dir, replayed=4)
 
 
 def test_upgrade_converts_in_place_after_a_backup(old_dir):
@@ -101,12 +107,7 @@ def test_upgrade_converts_in_place_after_a_backup(old_dir):
     again = upgrade(old_dir)
     assert again.returncode == 0 and "nothing to do" in again.stdout
     assert len(list(old_dir.glob("backup-*"))) == 1
-    server = RestartableServer(old_dir, "--checkpoint-every", "0").start()
-    try:
-        finish_matches_truth(server.address)
-        assert "replayed 0 log records" in server.log()
-    finally:
-        server.stop()
+    serves_the_truth(old_dir, replayed=0)
 
 
 def test_upgrade_refuses_while_a_server_runs_and_changes_nothing(old_dir):
