@@ -9,6 +9,7 @@ bytes), so a pixel chunk at T=128, N=16 is about 14.6 MB.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,3 +90,17 @@ def compression_check(level: int = 1, seed: int = 0) -> dict[str, float]:
         "pixels_wire_over_raw": ratio(pixels.arrays),
         "frames_wire_over_raw": ratio({"frames": pixels.arrays["frames"]}),
     }
+
+
+def timed_records(rec, pool: list[Chunk], calls: int, pause_s: float = 0.0) -> list[int]:
+    """``calls`` record() calls cycling through ``pool``, each after ``pause_s`` of sleep (a
+    training step, the GIL released); each call's nanoseconds."""
+    lat = []
+    for i in range(calls):
+        if pause_s:
+            time.sleep(pause_s)
+        c = pool[i % len(pool)]
+        t0 = time.perf_counter_ns()
+        rec.record(c.rollout, c.states)
+        lat.append(time.perf_counter_ns() - t0)
+    return lat

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from chunks import STATE_FIELDS, make_pool
+from chunks import STATE_FIELDS, make_pool, timed_records
 from harness import (
     MB,
     Context,
@@ -59,13 +59,8 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
         for c in pool[:3]:  # warm-up: connection, first-chunk schema
             rec.record(c.rollout, c.states)
         rec.flush()
-        lat = []
         t_start = time.perf_counter_ns()
-        for i in range(p.latency_calls):
-            c = pool[i % len(pool)]
-            t0 = time.perf_counter_ns()
-            rec.record(c.rollout, c.states)
-            lat.append(time.perf_counter_ns() - t0)
+        lat = timed_records(rec, pool, p.latency_calls)
         t_submitted = time.perf_counter_ns()
         rec.flush()
         t_done = time.perf_counter_ns()
@@ -77,13 +72,7 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "one_worker_raw_mb_s": chunk_bytes * p.latency_calls / MB / ((t_done - t_start) / 1e9),
         }
         # Paced: a training step (sleep, GIL released) between calls.
-        lat = []
-        for i in range(p.paced_calls):
-            time.sleep(p.paced_sleep_s)
-            c = pool[i % len(pool)]
-            t0 = time.perf_counter_ns()
-            rec.record(c.rollout, c.states)
-            lat.append(time.perf_counter_ns() - t0)
+        lat = timed_records(rec, pool, p.paced_calls, p.paced_sleep_s)
         rec.flush()
         out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.paced_sleep_s}
         rec.close()
@@ -104,13 +93,8 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
             for c in pool[:2]:
                 rec.record(c.rollout, c.states)
             rec.flush()
-            lat = []
             t_start = time.perf_counter_ns()
-            for i in range(p.cap_calls):
-                c = pool[i % len(pool)]
-                t0 = time.perf_counter_ns()
-                rec.record(c.rollout, c.states)
-                lat.append(time.perf_counter_ns() - t0)
+            lat = timed_records(rec, pool, p.cap_calls)
             rec.flush()
             wall = (time.perf_counter_ns() - t_start) / 1e9
             stats = rec.stats
@@ -130,20 +114,9 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS))
     for c in pool[:3]:
         ref.record(c.rollout, c.states)
-    lat = []
-    for i in range(p.latency_calls):
-        c = pool[i % len(pool)]
-        t0 = time.perf_counter_ns()
-        ref.record(c.rollout, c.states)
-        lat.append(time.perf_counter_ns() - t0)
+    lat = timed_records(ref, pool, p.latency_calls)
     out["inprocess_back_to_back"] = latency_summary(lat)
-    lat = []
-    for i in range(p.paced_calls):
-        time.sleep(p.paced_sleep_s)
-        c = pool[i % len(pool)]
-        t0 = time.perf_counter_ns()
-        ref.record(c.rollout, c.states)
-        lat.append(time.perf_counter_ns() - t0)
+    lat = timed_records(ref, pool, p.paced_calls, p.paced_sleep_s)
     out["inprocess_paced"] = latency_summary(lat)
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS), max_episodes=10**9)
     out["inprocess_counters"] = time_counters(ref, pool, p.paced_calls)

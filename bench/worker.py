@@ -29,7 +29,7 @@ import traceback
 from typing import Any
 
 import numpy as np
-from chunks import STATE_FIELDS, make_pool, store_configuration
+from chunks import STATE_FIELDS, make_pool, store_configuration, timed_records
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -93,14 +93,9 @@ def run_remote(spec: dict[str, Any], pool: list) -> dict[str, Any]:
     if spec.get("bursts"):
         return run_bursts(spec, pool, rec)
     wait_for_go()
-    lat: list[int] = []
     cpu0 = cpu_s()
     start = time.perf_counter_ns()
-    for i in range(spec["chunks"]):
-        c = pool[i % len(pool)]
-        t0 = time.perf_counter_ns()
-        rec.record(c.rollout, c.states)
-        lat.append(time.perf_counter_ns() - t0)
+    lat = timed_records(rec, pool, spec["chunks"])
     submitted = time.perf_counter_ns()
     rec.flush()
     acked = time.perf_counter_ns()
