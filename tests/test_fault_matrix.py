@@ -16,7 +16,7 @@ import shutil
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,39 +234,41 @@ def bench(tmp_path_factory) -> Iterator[Bench]:
 # -- the scenarios, one per row --------------------------------------------------------------
 
 
-def killed_once(
-    server: RestartableServer, session: str, acked: range, while_down, after: range
-) -> tuple[RestartableServer, Outcome]:
-    """Chunks ``acked`` acknowledged, the server killed, ``while_down(rec)`` done, the server
-    started again and chunks ``after`` sent: every chunk up to ``after``'s end is kept."""
-    rec = recorder(server, session, 0)
-    send(rec, 0, acked)
+def restarted(
+    server: RestartableServer, rec: RolloutRecorder, while_down: Callable[[], None], after: range
+) -> None:
+    """What ``rec`` sent so far acknowledged, the server killed, ``while_down()`` done, the
+    server started again, chunks ``after`` sent and acknowledged; ``rec`` closed."""
     rec.flush()
     server.kill()
-    while_down(rec)
+    while_down()
     server.start()
     send(rec, 0, after)
     rec.flush(timeout=60)
     rec.close()
-    return server, Outcome(session, {0: list(range(after.stop))})
 
 
 def kill_9(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
-    def held(rec: RolloutRecorder) -> None:
-        send(rec, 0, range(5, 7))  # held by the client while the server is down
-
-    return killed_once(bench.own(), session, range(5), held, range(7, 10))
+    server = bench.own()
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(5))
+    # Chunks 5 and 6 are held by the client while the server is down.
+    restarted(server, rec, lambda: send(rec, 0, range(5, 7)), range(7, 10))
+    return server, Outcome(session, {0: list(range(10))})
 
 
 def torn_unacked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
     server = bench.own("--wal-fsync", "always")
+    rec = recorder(server, session, 0)
+    send(rec, 0, range(6))
 
-    def torn(_rec: RolloutRecorder) -> None:
+    def torn() -> None:
         segment = sorted((server.data_dir / "wal").glob("wal-*.log"))[-1]
         with open(segment, "ab") as fh:
             fh.write(b"RRWL" + bytes(6))  # the start of a record header that never got further
 
-    return killed_once(server, session, range(6), torn, range(6, 9))
+    restarted(server, rec, torn, range(6, 9))
+    return server, Outcome(session, {0: list(range(9))})
 
 
 def torn_acked_tail(bench: Bench, session: str) -> tuple[RestartableServer, Outcome]:
@@ -336,13 +338,7 @@ def corrupt_newest_checkpoint(bench: Bench, session: str) -> tuple[RestartableSe
         send(rec, 0, range(4 * part, 4 * part + 4))
         if part < 2:
             rec.checkpoint()
-    rec.flush()
-    server.kill()
-    flip_newest_checkpoint(server.data_dir)
-    server.start()
-    send(rec, 0, range(12, 14))
-    rec.flush(timeout=60)
-    rec.close()
+    restarted(server, rec, lambda: flip_newest_checkpoint(server.data_dir), range(12, 14))
     return server, Outcome(session, {0: list(range(14))})
 
 
@@ -356,13 +352,7 @@ def drop_then_corrupt_checkpoint(bench: Bench, session: str):
     rec.checkpoint()
     drop_session(server.address, session + "-dropped")
     send(rec, 0, range(2, 12))
-    rec.flush()
-    server.kill()
-    flip_newest_checkpoint(server.data_dir)
-    server.start()
-    send(rec, 0, range(12, 14))
-    rec.flush(timeout=60)
-    rec.close()
+    restarted(server, rec, lambda: flip_newest_checkpoint(server.data_dir), range(12, 14))
     assert session + "-dropped" not in [s["name"] for s in list_sessions(server.address)]
     # Its finished episodes went to the dataset at the drop, once.
     dropped_episodes = true_episodes({1: list(range(3))})
