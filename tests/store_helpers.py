@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from recorder_client.capture_types import EpisodeOutcome
@@ -93,3 +97,18 @@ def as_form(
     held = [HeldEpisode(e, episodes, i, fetches) for i, e in enumerate(episodes)]
     env = np.arange(len(episodes), dtype=np.int64)
     return EpisodeWindow(key_ring, reward_ring, env, start, lengths, held.__getitem__)
+
+
+def store_merge(files: list[Path], out: Path, sources: list[str], timeout: float) -> str:
+    """`rollout-recorder store merge` of ``files`` into ``out``, the i-th file labelled
+    ``sources[i]``; its stdout."""
+    labels = [arg for name in sources for arg in ("--source", name)]
+    done = subprocess.run(
+        [sys.executable, "-m", "recorder_server", "store", "merge", *map(str, files)]
+        + ["-o", str(out), *labels],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout

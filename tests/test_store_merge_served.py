@@ -12,14 +12,12 @@ which no store ever takes (stores keep finished episodes only)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import ServerProcess
-from store_helpers import CELL_STATS
+from store_helpers import CELL_STATS, store_merge
 
 from recorder_client import (
     CellField,
@@ -122,16 +120,8 @@ def test_three_sidecars_merged_by_the_cli_load_into_a_server_equal_to_one_fed_th
             path.write_bytes(file.data)
             files.append(path)
         merged = tmp_path / "merged.bin.zst"
-        sources = [arg for node in NODES for arg in ("--source", node)]
-        done = subprocess.run(
-            [sys.executable, "-m", "recorder_server", "store", "merge", *map(str, files)]
-            + ["-o", str(merged), *sources],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        assert "3 sources (node-a, node-b, node-c)" in done.stdout
+        said = store_merge(files, merged, list(NODES), timeout=60)
+        assert "3 sources (node-a, node-b, node-c)" in said
 
         reader = RolloutRecorder(
             record_states=True,

@@ -329,18 +329,12 @@ def store_files(cluster: Cluster) -> list[Path]:
 
 def merge(cluster: Cluster, files: list[Path]) -> dict:
     """`rollout-recorder store merge` of the files, labelled by node; the merged state."""
+    from store_helpers import store_merge
+
     from recorder_server.store.merge import read_checkpoint_state
 
     out = cluster.root / "merged.bin.zst"
-    labels = [arg for name in cluster.nodes for arg in ("--source", name)]
-    done = subprocess.run(
-        [sys.executable, "-m", "recorder_server", "store", "merge", *map(str, files)]
-        + ["-o", str(out), *labels],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    store_merge(files, out, list(cluster.nodes), timeout=120)
     return read_checkpoint_state(out.read_bytes())
 
 
