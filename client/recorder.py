@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _wire
+from . import _checks, _torch, _wire
 from ._connection import Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
@@ -43,16 +43,25 @@ def _get(obj: Any, name: str) -> Any:
     return getattr(obj, name, None)
 
 
-def _take(value: Any) -> Any:
-    """A reference to a host array, or a device array whose host copy has started."""
+def _take(value: Any, what: str = "trajectories") -> Any:
+    """A reference to a host array, or a device array whose host copy has started. ``what``
+    names the field in the error for a value that is no array."""
     if isinstance(value, np.ndarray):
         return value
+    if _torch.is_tensor(value):
+        return _torch.take(value, what)
     start_copy = getattr(value, "copy_to_host_async", None)
     if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
         if not _on_cpu(value):
             start_copy()
         return value
-    return np.asarray(value)
+    try:
+        return np.asarray(value)
+    except Exception as exc:  # a ragged list, an object whose __array__ fails ...
+        raise InvalidChunkError(
+            f"{what}: expected a numpy array, torch tensor or JAX array, got "
+            f"{type(value).__name__} ({exc})"
+        ) from None
 
 
 # Whether each sharding seen puts its arrays on CPU devices only (a loop's arrays share a
@@ -309,16 +318,16 @@ class RolloutRecorder:
                 raise InvalidChunkError(
                     f"trajectories.{name}: expected an array (attribute or mapping key), got none"
                 )
-            arrays[name] = _take(value)
+            arrays[name] = _take(value, f"trajectories.{name}")
         if outcome is None:
             outcome = _get(trajectories, "outcome")
         if outcome is not None:
-            arrays["outcome"] = _take(outcome)
+            arrays["outcome"] = _take(outcome, "trajectories.outcome")
         if self.record_states and env_states is not None:
             for name in self.state_fields:
                 value = _get(env_states, name)
                 if value is not None:
-                    arrays[f"state:{name}"] = _take(value)
+                    arrays[f"state:{name}"] = _take(value, f"env_states.{name}")
         raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1

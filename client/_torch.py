@@ -1,0 +1,123 @@
+"""torch tensors as record() input, without importing torch.
+
+A tensor can only exist once its caller imported torch, so this module finds torch in
+``sys.modules`` and never imports it: the client's dependencies stay grpcio, protobuf, numpy
+and zstandard.
+
+- A CPU tensor is read in place: ``detach().numpy()`` is a view of its memory (no copy),
+  after resolving the lazy conjugate and negative bits numpy cannot see.
+- A CUDA tensor gets an asynchronous device-to-host copy into pinned memory, and an event
+  recorded on its stream after the copy; record() returns at once, and the sender thread
+  waits on the event before it reads the bytes (the JAX path's ``copy_to_host_async``).
+- A tensor on another accelerator (mps, xpu, ...) is copied to the host before record()
+  returns.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidChunkError
+
+# torch dtype -> numpy dtype, filled as dtypes are seen (None: numpy has no such dtype).
+_NUMPY_DTYPES: dict[Any, np.dtype | None] = {}
+
+_EXPECTED = "a dense CPU or CUDA tensor with a numpy dtype (bool, integer or floating)"
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (False at once when torch was never imported)."""
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def numpy_dtype(dtype: Any) -> np.dtype | None:
+    """numpy's twin of a torch dtype, or None (bfloat16, the float8 types, quantized ...)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        pass
+    try:
+        found: np.dtype | None = _torch().empty(0, dtype=dtype).numpy().dtype
+    except (TypeError, RuntimeError):
+        found = None
+    _NUMPY_DTYPES[dtype] = found
+    return found
+
+
+class HostCopy:
+    """A tensor's host copy under way: shape, dtype and nbytes are known at once; reading it
+    (np.asarray) first waits until the copy is complete (``ready.synchronize()``)."""
+
+    __slots__ = ("_host", "_ready", "dtype", "nbytes", "shape")
+
+    def __init__(self, host: Any, ready: Any, dtype: np.dtype) -> None:
+        self._host = host  # the pinned host tensor the copy writes
+        self._ready = ready  # a CUDA event recorded after the copy, or None
+        self.shape = tuple(host.shape)
+        self.dtype = dtype
+        self.nbytes = host.numel() * dtype.itemsize
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        array = self._host.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"HostCopy(shape={self.shape}, dtype={self.dtype})"
+
+
+def start_host_copy(tensor: Any) -> HostCopy:
+    """Start copying ``tensor`` into fresh host memory: pinned, asynchronous and fenced by
+    an event for a CUDA tensor (the event is recorded on the stream the copy runs on); a
+    plain synchronous copy for any other device."""
+    torch = _torch()
+    cuda = tensor.device.type == "cuda"
+    host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=cuda)
+    ready = None
+    if cuda:
+        with torch.cuda.device(tensor.device):
+            host.copy_(tensor, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))
+    else:
+        host.copy_(tensor)
+    return HostCopy(host, ready, numpy_dtype(tensor.dtype))
+
+
+def _refuse(what: str, got: str) -> InvalidChunkError:
+    return InvalidChunkError(f"{what}: expected {_EXPECTED}, got {got}")
+
+
+def take(tensor: Any, what: str) -> Any:
+    """A CPU tensor as a numpy view; a CUDA one as a HostCopy under way. InvalidChunkError
+    naming ``what`` for a tensor numpy cannot hold or this process cannot copy."""
+    torch = _torch()
+    device = tensor.device.type
+    if tensor.layout is not torch.strided:
+        raise _refuse(what, f"a {tensor.layout} tensor on {device}")
+    if numpy_dtype(tensor.dtype) is None:
+        raise _refuse(what, f"a {tensor.dtype} tensor on {device}")
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    if device == "cpu":
+        return tensor.numpy()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _refuse(what, f"a tensor on {tensor.device}, and CUDA is not available here")
+    try:
+        return start_host_copy(tensor)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        got = f"a tensor on {tensor.device} that cannot be copied to the host ({exc})"
+        raise _refuse(what, got) from None
