@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The bench's Reverb rows run Reverb from a virtualenv of its own (see its rule below).
+REVERB_VENV  ?= bench/.venv-reverb
+REVERB_STAMP := $(REVERB_VENV)/.installed
+REVERB_LOG   := bench/results/reverb-install.log
 
 .PHONY: demo test docs browser lint protos bench soak clean
 
@@ -50,9 +54,26 @@ browser:
 
 # Every scenario beside its reference (under 10 minutes on 2 cores), a progress line each;
 # regenerates bench/RESULTS.md. A smoke run: make bench BENCH_ARGS=--quick (RESULTS.md kept).
-bench: $(STAMP)
+bench: $(STAMP) $(REVERB_STAMP)
 	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# DeepMind's Reverb for the bench's side-by-side rows, in a virtualenv of its own: it wants
+# TensorFlow 2.15, which pins protobuf < 5 and numpy < 2 against our protobuf >= 7 and numpy 2.
+# Made once (about a minute, 1.7 GB); when it cannot install, the Reverb rows skip and say why
+# (the log: bench/results/reverb-install.log), and the next `make bench` tries again.
+$(REVERB_STAMP): bench/requirements-reverb.txt
+	@echo "== set-up (once): a virtualenv in $(REVERB_VENV) for DeepMind's Reverb, the reference"
+	@echo "   of the bench's Reverb rows: pip install -r bench/requirements-reverb.txt"
+	@echo "   (dm-reverb 0.14 and TensorFlow 2.15 from PyPI, about 1.7 GB)"
+	@mkdir -p $(dir $(REVERB_LOG)) && rm -rf $(REVERB_VENV) && t0=$$(date +%s) && \
+	if $(PYTHON) -m venv $(REVERB_VENV) >$(REVERB_LOG) 2>&1 && \
+	   $(REVERB_VENV)/bin/pip install -r bench/requirements-reverb.txt >>$(REVERB_LOG) 2>&1; then \
+	  touch $@ && echo "   installed in $$(( $$(date +%s) - t0 )) s"; \
+	else \
+	  echo "   Reverb did not install: its rows will skip. The end of $(REVERB_LOG):"; \
+	  tail -n 5 $(REVERB_LOG) | sed 's/^/   | /'; \
+	fi
 
 # 64 workers record, finish and drop sessions for 20 minutes; server RSS and threads must stay
 # flat. Shorter: make soak SOAK_ARGS="--minutes 3".
@@ -63,4 +84,4 @@ protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(REVERB_VENV) .pytest_cache .hypothesis .ruff_cache

@@ -85,6 +85,19 @@ class Context:
     _ray: Any = None
     _previous_core: Path | None = None
     _s3: S3Server | None = None
+    _kept: dict[str, Any] = field(default_factory=dict)
+
+    def kept(self, key: str, start: Callable[[], Any]) -> Any:
+        """What `start()` returns, made once per run under `key` (processes a repeated
+        scenario keeps between its rounds); its `close()` is called by `drop` or at the end."""
+        if key not in self._kept:
+            self._kept[key] = start()
+        return self._kept[key]
+
+    def drop(self, key: str) -> None:
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            kept.close()
 
     def s3(self) -> S3Server:
         """The local S3 server (moto), started once per run."""
@@ -137,6 +150,8 @@ class Context:
         return self._ray
 
     def close(self) -> None:
+        for key in list(self._kept):
+            self.drop(key)
         if self._s3 is not None:
             self._s3.stop()
             self._s3 = None

@@ -4,7 +4,7 @@ A scenario takes a `Context` and returns a JSON-able dict of measurements; its
 `rows` function turns the results of the whole run into table rows (so a row
 can compare against another scenario). Each family lives in its own module
 (`latency`, `jax_rollout`, `finish`, `server_cpu`, `ingest`, `side_by_side`,
-`fleet`, `baselines`) over the shared `harness`. New rows are a few lines: for example,
+`fleet`, `baselines`, `vs_reverb`) over the shared `harness`. New rows are a few lines: for example,
 
     SCENARIOS.append(ingest_scenario(
         "ingest_4w_no_wal", workers=4, serve_args=("--no-wal",), compare_to="ingest_4w"))
@@ -25,6 +25,7 @@ from jax_rollout import rows_latency_jax, run_latency_jax
 from latency import rows_latency, run_latency
 from server_cpu import rows_server_cpu, run_server_cpu
 from side_by_side import side_by_side_scenario
+from vs_reverb import reverb_scenario
 
 # -- the registry ---------------------------------------------------------------
 # SCENARIOS run by default, in this order (repeated ones in interleaved rounds).
@@ -57,11 +58,33 @@ SCENARIOS: list[Scenario] = [
         window=2,
         compare_to="ingest_4w",
     ),
+    # Reverb fed the same chunks as items: right after ingest_256w, and in the rounds of
+    # ingest_4w (bench/vs_reverb.py; skipped without bench/.venv-reverb).
+    reverb_scenario(
+        "reverb_256w",
+        processes=8,
+        threads=32,
+        num_envs=16,
+        chunks=10,
+        window=2,
+        compare_to="ingest_256w",
+        repeated=False,
+    ),
     raw_scenario("raw_grpc_1w", workers=1),
     raw_scenario("raw_grpc_4w", workers=4),
     ray_scenario("ray_1w", workers=1),
     ray_scenario("ray_4w", workers=4),
     ray_scenario("ray_8w", workers=8),
+    reverb_scenario(
+        "reverb_4w",
+        processes=4,
+        threads=1,
+        num_envs=256,
+        chunks=None,
+        window=None,
+        compare_to="ingest_4w",
+        repeated=True,
+    ),
     # Configuration rows, each compared with ingest_4w (the defaults: no store, metrics on,
     # write-ahead log with fsync "batch"); the dashboard row with its no-metrics twin.
     ingest_scenario(
