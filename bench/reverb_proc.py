@@ -15,7 +15,9 @@ are connected and its chunks are made, then a round at each "go" line on stdin, 
 The chunks are worker.py's: `SyntheticVecEnv` (server/workload.py, numpy only, loaded by
 path) at the same seed, T and N. Each chunk is one item, appended as one step (every array
 whole, (T, N, ...)) and referenced by `create_item` over that step: one call per chunk, as
-our `record()` is. Each writer keeps at most `window` items unconfirmed (`flush(window)`).
+our `record()` is (`per_step`: T appends of one time step each, then an item over the last T,
+as an actor stepping a vector env would). Each writer keeps at most `window` items
+unconfirmed (`flush(window)`).
 """
 
 from __future__ import annotations
@@ -125,21 +127,30 @@ def write(spec: dict[str, Any]) -> int:
     clients = [reverb.Client(spec["target"]) for _ in range(threads)]
     for c in clients:
         c.server_info(timeout=120)  # connected before the clock starts
-    writers = [c.trajectory_writer(num_keep_alive_refs=1) for c in clients]
+    steps = int(spec["length"]) if spec.get("per_step") else 1
+    writers = [c.trajectory_writer(num_keep_alive_refs=steps) for c in clients]
     from importlib.metadata import version
 
     versions = {d: version(d) for d in ("dm-reverb", "tensorflow", "numpy", "grpcio")}
     emit("ready", rss_ready=vhwm(), chunk_raw_bytes=chunk_bytes, versions=versions)
     # A round at each "go" line (the writers kept between a scenario's rounds), until EOF.
     while sys.stdin.readline().strip() == "go":
-        emit("result", **round_of(writers, pool, n, window), chunk_raw_bytes=chunk_bytes)
+        emit("result", **round_of(writers, pool, n, window, steps), chunk_raw_bytes=chunk_bytes)
     for w in writers:
         w.close()
     return 0
 
 
-def round_of(writers: list, pool: list[dict[str, np.ndarray]], n: int, window: int) -> dict:
-    """Each writer, in a thread of its own, inserts `n` items and waits for them all."""
+def round_of(
+    writers: list, pool: list[dict[str, np.ndarray]], n: int, window: int, steps: int
+) -> dict:
+    """Each writer, in a thread of its own, inserts `n` items and waits for them all. An item
+    is one step of whole (T, N, ...) arrays (`steps` 1), or `steps` appends of one time step
+    each (N, ...) and an item over the last `steps` (as an actor stepping a vector env)."""
+    if steps > 1:
+        pool = [[{k: a[t] for k, a in c.items()} for t in range(steps)] for c in pool]
+    else:
+        pool = [[c] for c in pool]
     spans: list[tuple[int, int]] = [(0, 0)] * len(writers)
     errors: list[str] = []
 
@@ -149,8 +160,9 @@ def round_of(writers: list, pool: list[dict[str, np.ndarray]], n: int, window: i
             start = time.perf_counter_ns()
             for i in range(n):
                 # Each writer starts at its own place in the pool: its items are distinct.
-                w.append(pool[(j + i) % len(pool)])
-                w.create_item(TABLE, 1.0, {k: col[-1:] for k, col in w.history.items()})
+                for step in pool[(j + i) % len(pool)]:
+                    w.append(step)
+                w.create_item(TABLE, 1.0, {k: col[-steps:] for k, col in w.history.items()})
                 w.flush(block_until_num_items=window)
             w.flush()  # every item confirmed in the table
             spans[j] = (start, time.perf_counter_ns())
@@ -172,7 +184,7 @@ def round_of(writers: list, pool: list[dict[str, np.ndarray]], n: int, window: i
         "start_ns": min(s for s, _ in spans),
         "end_ns": max(e for _, e in spans),
         "items": items,
-        "raw_bytes": items * sum(a.nbytes for a in pool[0].values()),
+        "raw_bytes": items * sum(a.nbytes for step in pool[0] for a in step.values()),
         "window": window,
         "cpu_s": (t1.user + t1.system) - (t0.user + t0.system),
         "maxrss": vhwm(),

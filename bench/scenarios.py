@@ -146,6 +146,30 @@ SCENARIOS: list[Scenario] = [
 ]
 
 OPTIONAL_SCENARIOS: list[Scenario] = [
+    # Reverb as an actor stepping a vector env feeds it: T appends of one time step, then an
+    # item over the last T (the default rows append each chunk whole: Reverb's cheapest way).
+    reverb_scenario(
+        "reverb_256w_steps",
+        processes=8,
+        threads=32,
+        num_envs=16,
+        chunks=10,
+        window=2,
+        compare_to="ingest_256w",
+        repeated=False,
+        per_step=True,
+    ),
+    reverb_scenario(
+        "reverb_4w_steps",
+        processes=4,
+        threads=1,
+        num_envs=256,
+        chunks=None,
+        window=None,
+        compare_to="ingest_4w",
+        repeated=True,
+        per_step=True,
+    ),
     # The same cost, measured one server after the other (3x the chunks, several polls a
     # run); the default row above feeds both at once.
     ingest_scenario(

@@ -116,12 +116,14 @@ def reverb_scenario(
     compare_to: str,
     repeated: bool,
     once_rounds: int = 3,
+    per_step: bool = False,
 ) -> Scenario:
     """`processes` x `threads` Reverb writers, each its own client and `TrajectoryWriter`,
     insert `chunks` chunks each (None: `Params.ingest_chunks`) of N=`num_envs` into one Reverb
     server's table, keeping at most `window` items unconfirmed (None: as many as our client's
     256 MB in flight). Each process makes its chunks as worker.py does for the same worker
-    index: the same bytes our workers record. `repeated`: a round in each of the bench's
+    index: the same bytes our workers record, each chunk one item: one append of whole arrays,
+    or (`per_step`) T appends of a time step each. `repeated`: a round in each of the bench's
     rounds (the processes kept between them); otherwise the median of `once_rounds`."""
 
     def start(ctx: Context, n: int) -> ReverbProcesses:
@@ -141,6 +143,7 @@ def reverb_scenario(
                 "num_envs": num_envs,
                 "done_prob": p.done_prob,
                 **({"window": window} if window else {"window_bytes": 256 << 20}),
+                "per_step": per_step,
             }
             for i in range(processes)
         ]
@@ -166,7 +169,8 @@ def reverb_scenario(
         if not repeated:
             ctx.drop(name)
         return {"workers": processes * threads, "processes": processes, "threads": threads,
-                "num_envs": num_envs, **out}  # fmt: skip
+                "num_envs": num_envs, "length": ctx.params.length, "per_step": per_step,
+                **out}  # fmt: skip
 
     def rows(results: dict[str, dict[str, Any]]) -> list[Row]:
         r = results.get(name)
@@ -183,7 +187,8 @@ def reverb_scenario(
             f"{r['items'] // r['workers']} a worker, at most {r['window']} unconfirmed; ours "
             f"= {compare_to} of this run"
         )
-        ref = f"Reverb {r['versions']['dm-reverb']} (TrajectoryWriter, one item a chunk)"
+        how = f"{r.get('length')} appends of a time step" if per_step else "one append"
+        ref = f"Reverb {r['versions']['dm-reverb']} (TrajectoryWriter, an item a chunk: {how})"
         return [
             Row("Reverb", f"items (chunks) per second, {label}", ours["items_s"],
                 r["items_s"], ref, "items/s", "higher", digits=0),
