@@ -72,9 +72,9 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "one_worker_raw_mb_s": chunk_bytes * p.latency_calls / MB / ((t_done - t_start) / 1e9),
         }
         # Paced: a training step (sleep, GIL released) between calls.
-        lat = timed_records(rec, pool, p.paced_calls, p.paced_sleep_s)
+        lat = timed_records(rec, pool, p.latency_calls, p.record_step_s)
         rec.flush()
-        out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.paced_sleep_s}
+        out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.record_step_s}
         rec.close()
 
         # is_full and num_recorded_steps asked after each record(), as a training loop
@@ -116,8 +116,8 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
         ref.record(c.rollout, c.states)
     lat = timed_records(ref, pool, p.latency_calls)
     out["inprocess_back_to_back"] = latency_summary(lat)
-    lat = timed_records(ref, pool, p.paced_calls, p.paced_sleep_s)
-    out["inprocess_paced"] = latency_summary(lat)
+    lat = timed_records(ref, pool, p.latency_calls, p.record_step_s)
+    out["inprocess_paced"] = {**latency_summary(lat), "sleep_s": p.record_step_s}
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS), max_episodes=10**9)
     out["inprocess_counters"] = time_counters(ref, pool, p.paced_calls)
     return out
@@ -191,7 +191,11 @@ def rows_latency(results: dict[str, dict[str, Any]]) -> list[Row]:
     mb = r["chunk_raw_bytes"] / MB
     ref = "factoriax in-process record()"
     rows = []
-    for key, label in (("back_to_back", "back-to-back"), ("paced", "10 ms step between calls")):
+    step_ms = r["remote_paced"].get("sleep_s", 0.010) * 1e3
+    for key, label in (
+        ("back_to_back", "back-to-back"),
+        ("paced", f"{step_ms:g} ms step between calls"),
+    ):
         ours, theirs = r[f"remote_{key}"], r[f"inprocess_{key}"]
         for stat in ("p50", "p99", "max"):
             rows.append(
