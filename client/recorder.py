@@ -37,12 +37,6 @@ TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
 DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
 
 
-def _get(obj: Any, name: str) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name)
-    return getattr(obj, name, None)
-
-
 def _take(value: Any, what: str = "trajectories") -> Any:
     """A reference to a host array, or a device array whose host copy has started. ``what``
     names the field in the error for a value that is no array."""
@@ -159,6 +153,7 @@ class RolloutRecorder:
         self.max_episodes = None if max_episodes is None else int(max_episodes)
         self.record_states = bool(record_states)
         self.state_fields = _wire.check_state_fields(state_fields)
+        self._state_keys = tuple((name, f"state:{name}") for name in self.state_fields)
         if capture is not None and not isinstance(capture, TrajectoryTrainingConfiguration):
             raise ValueError(
                 f"capture: expected a TrajectoryTrainingConfiguration or None, got {capture!r}"
@@ -179,6 +174,10 @@ class RolloutRecorder:
         self._schema: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
         self._schema_stored = False
         self._signature: tuple | None = None
+        # The previous chunk's exact shapes and dtypes, and its raw bytes: the same again
+        # (a fixed T) is answered by one list comparison.
+        self._shapes: list | None = None
+        self._shapes_raw = 0
         self._layout: Any = None
         self._step_bytes = 0
         self._closed = False
@@ -311,23 +310,31 @@ class RolloutRecorder:
             self._sender.stats.chunks_dropped_full += 1
             self._raise_async_errors()
             return False
+        # Inlined lookups: after a training step the caches are cold, and every call and
+        # object touched here is paid for at p99.
         arrays: dict[str, Any] = {}
+        get = trajectories.get if isinstance(trajectories, Mapping) else None
         for name in ("action", "reward", "done"):
-            value = _get(trajectories, name)
+            value = get(name) if get else getattr(trajectories, name, None)
             if value is None:
                 raise InvalidChunkError(
                     f"trajectories.{name}: expected an array (attribute or mapping key), got none"
                 )
-            arrays[name] = _take(value, f"trajectories.{name}")
+            arrays[name] = (
+                value if type(value) is np.ndarray else _take(value, f"trajectories.{name}")
+            )
         if outcome is None:
-            outcome = _get(trajectories, "outcome")
+            outcome = get("outcome") if get else getattr(trajectories, "outcome", None)
         if outcome is not None:
             arrays["outcome"] = _take(outcome, "trajectories.outcome")
         if self.record_states and env_states is not None:
-            for name in self.state_fields:
-                value = _get(env_states, name)
+            get = env_states.get if isinstance(env_states, Mapping) else None
+            for name, key in self._state_keys:
+                value = get(name) if get else getattr(env_states, name, None)
                 if value is not None:
-                    arrays[f"state:{name}"] = _take(value, f"env_states.{name}")
+                    arrays[key] = (
+                        value if type(value) is np.ndarray else _take(value, f"env_states.{name}")
+                    )
         raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1
@@ -369,18 +376,23 @@ class RolloutRecorder:
         # previous chunk, one T for every array. Anything else takes the full check.
         # Each attribute read once: on a device array every read is a call into its library.
         shapes = [(k, v.shape, v.dtype) for k, v in arrays.items()]
-        signature = tuple((k, tuple(shape[1:]), dtype) for k, shape, dtype in shapes)
-        lengths = {shape[0] if shape else None for _, shape, _ in shapes}
         if "outcome" in arrays:
             _checks.check_outcome(arrays["outcome"])
+        if shapes == self._shapes:
+            return self._shapes_raw, self._layout
+        signature = tuple((k, tuple(shape[1:]), dtype) for k, shape, dtype in shapes)
+        lengths = {shape[0] if shape else None for _, shape, _ in shapes}
         if signature == self._signature and len(lengths) == 1:
-            return lengths.pop() * self._step_bytes, self._layout
-        # Bytes per step of this layout: the next chunks of it are sized without a read.
-        step_bytes, layout = _checks.check_layout(arrays, self._schema, self.capture_config)
-        if self._schema is None:
-            self._schema = layout
-        self._signature, self._layout, self._step_bytes = signature, layout, step_bytes
-        return lengths.pop() * step_bytes, layout  # one T once checked
+            raw = lengths.pop() * self._step_bytes
+        else:
+            # Bytes per step of this layout: the next chunks of it are sized without a read.
+            step_bytes, layout = _checks.check_layout(arrays, self._schema, self.capture_config)
+            if self._schema is None:
+                self._schema = layout
+            self._signature, self._layout, self._step_bytes = signature, layout, step_bytes
+            raw = lengths.pop() * step_bytes  # one T once checked
+        self._shapes, self._shapes_raw = shapes, raw
+        return raw, self._layout
 
     def _stored(self, item: PendingChunk) -> None:
         # The sender thread: the server stored a chunk of this layout.
@@ -388,18 +400,18 @@ class RolloutRecorder:
             self._schema_stored = True
             if self._schema is None:
                 self._schema = item.schema
-                self._signature = None  # the next chunk is checked against it in full
+                self._signature = self._shapes = None  # the next chunk is checked in full
 
     def _refused(self, item: PendingChunk) -> None:
         # The sender thread: a refusal before anything was stored unfixes the layout.
         if not self._schema_stored:
             self._schema = None
-            self._signature = None
+            self._signature = self._shapes = None
 
     def _forget_layout(self) -> None:
         self._schema = None
         self._schema_stored = False
-        self._signature = None
+        self._signature = self._shapes = None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every recorded chunk is acknowledged by the server."""
