@@ -28,18 +28,28 @@ class DashboardPoller:
         self._stop = threading.Event()
         self._active = threading.Event()  # polls are made only while set (`pause`, `resume`)
         self._active.set()
+        self._clock = threading.Lock()
+        self._next_at = time.monotonic()  # the next poll, while active
+        self._due_in = 0.0  # seconds of active time to the next poll, while paused
         self._thread = threading.Thread(target=self._run, name="dashboard-poller", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def pause(self) -> None:
-        """No polls until `resume` (the clock keeps its pace: a poll falls due meanwhile is
-        skipped)."""
-        self._active.clear()
+        """No polls until `resume`. The clock counts only the time between `resume` and
+        `pause`: a poll a second of the watched server's own run time, however its turns
+        are interleaved with other servers'."""
+        with self._clock:
+            if self._active.is_set():
+                self._due_in = max(0.0, self._next_at - time.monotonic())
+            self._active.clear()
 
     def resume(self) -> None:
-        self._active.set()
+        with self._clock:
+            if not self._active.is_set():
+                self._next_at = time.monotonic() + self._due_in
+            self._active.set()
 
     def stop(self) -> None:
         """Stops polling (again: a no-op)."""
@@ -52,13 +62,15 @@ class DashboardPoller:
             return json.loads(reply.read())
 
     def _run(self) -> None:
-        next_at = time.monotonic()
         while not self._stop.is_set():
-            t0 = time.perf_counter_ns()
-            if not self._active.is_set():
-                next_at += self.interval_s
-                self._stop.wait(max(0.0, next_at - time.monotonic()))
+            if not self._active.wait(0.05):
                 continue
+            with self._clock:
+                wait = self._next_at - time.monotonic()
+            if wait > 0:
+                self._stop.wait(min(wait, 0.05))
+                continue
+            t0 = time.perf_counter_ns()
             try:
                 sessions = self._get("/api/sessions").get("sessions", [])
                 if sessions:
@@ -70,8 +82,10 @@ class DashboardPoller:
                 self.spans_ns.append((t0, t1))
             except (OSError, ValueError, KeyError) as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
-            next_at += self.interval_s
-            self._stop.wait(max(0.0, next_at - time.monotonic()))
+            with self._clock:
+                self._next_at += self.interval_s
+                if not self._active.is_set():  # paused during the poll
+                    self._due_in = max(0.0, self._next_at - time.monotonic())
 
     def summary(self, window_ns: tuple[int, int] | None = None) -> dict[str, Any]:
         """Counts and latencies; with `window_ns` (perf_counter_ns), the polls overlapping it."""

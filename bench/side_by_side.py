@@ -1,5 +1,5 @@
-"""The metrics-and-dashboard cost measured side by side: two servers up at once, one with
-metrics and its dashboard polled, one with --no-metrics, fed in turns."""
+"""The metrics and dashboard costs measured side by side: three servers up at once (metrics
+with the dashboard polled, metrics alone, --no-metrics), fed in turns."""
 
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ from procs import (
 
 
 def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) -> Scenario:
-    """Two servers up at once, `workers` workers on each: one with metrics on and its
-    dashboard polled once a second (as an open page would), one with --no-metrics. Their
-    workers take turns, a burst at a time (`chunks` chunks each, then a flush), in the order
-    ABBA BAAB ..., `bursts` bursts a side; each side's MB/s is its bytes over the summed
-    wall time of its bursts.
+    """Three servers up at once, `workers` workers on each: "on", metrics on and its
+    dashboard polled once a second (as an open page would); "metrics", metrics on and no
+    dashboard; "off", --no-metrics. Their workers take turns, a burst at a time (`chunks`
+    chunks each, then a flush), in the order ABC CBA CBA ABC ..., `bursts` bursts a side;
+    each side's MB/s is its bytes over the summed wall time of its bursts.
 
     Load from other jobs changes over seconds, and by more than this cost between rounds
     run one after the other; bursts a fraction of a second long, in turns, see the same
@@ -48,6 +48,7 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
         poller = None
         try:
             servers["off"] = ctx.server(f"{name}-off-{rep}", ("--no-metrics",))
+            servers["metrics"] = ctx.server(f"{name}-metrics-{rep}", ())
             on = ctx.server(f"{name}-on-{rep}", (), dashboard=True)
             servers["on"] = on
             assert isinstance(on, DashboardServer)
@@ -66,13 +67,14 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
                 w.read_json("ready", 300)
             poller.pause()
             poller.start()
-            # ABBA BAAB ...: a drift in the load, or the first burst's warm-up, falls on
-            # both sides alike.
-            first = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
+            # ABC CBA CBA ABC ...: a linear drift in the load, or the first burst's warm-up,
+            # falls on every side alike; which side runs in the middle rotates by round.
+            sides3 = ["on", "metrics", "off"]
+            first = sides3[rep % 3 :] + sides3[: rep % 3]
             pattern = [first, first[::-1], first[::-1], first]
             order = [side for k in range(bursts) for side in pattern[k % 4]]
-            wall = {"on": 0.0, "off": 0.0}
-            raw = {"on": 0, "off": 0}
+            wall = dict.fromkeys(servers, 0.0)
+            raw = dict.fromkeys(servers, 0)
             cpu0 = {side: server.cpu_s() for side, server in servers.items()}
             machine0 = machine_snapshot()
             t_start = time.perf_counter_ns()
@@ -102,9 +104,10 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
             out["order"] = order
             out["raw_mb_s"] = out["on"]["raw_mb_s"]
             out["cost"] = 1 - out["on"]["raw_mb_s"] / out["off"]["raw_mb_s"]
-            on_cpu = out["on"]["server_cpu_s"] / out["on"]["raw_bytes"]
-            off_cpu = out["off"]["server_cpu_s"] / out["off"]["raw_bytes"]
-            out["server_cpu_per_byte_ratio"] = on_cpu / off_cpu
+            out["metrics_cost"] = 1 - out["metrics"]["raw_mb_s"] / out["off"]["raw_mb_s"]
+            cpu = {side: out[side]["server_cpu_s"] / out[side]["raw_bytes"] for side in servers}
+            out["server_cpu_per_byte_ratio"] = cpu["on"] / cpu["off"]
+            out["metrics_server_cpu_per_byte_ratio"] = cpu["metrics"] / cpu["off"]
             for side in sides:
                 for w in sides[side]:
                     w.send("stop")
@@ -127,7 +130,39 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
         both = r["all_rounds"]
         costs = ", ".join(f"{c:+.3f}" for c in r.get("runs_cost", []))
         cpu = ", ".join(f"{c:.2f}" for c in r.get("runs_server_cpu_per_byte_ratio", []))
-        return [
+        metrics_costs = ", ".join(f"{c:+.3f}" for c in r.get("runs_metrics_cost", []))
+        metrics_cpu = ", ".join(
+            f"{c:.2f}" for c in r.get("runs_metrics_server_cpu_per_byte_ratio", [])
+        )
+        rows = []
+        if "metrics_raw_mb_s" in both:
+            rows += [
+                Row(
+                    "ingest",
+                    f"ingest MB/s raw, {workers} workers, metrics on (no dashboard), in turns "
+                    f"with a --no-metrics server and the dashboard row's server: {bursts} "
+                    f"bursts of {chunks} chunks a worker on each side, in each of "
+                    f"{both['rounds']} rounds, all together (each round's cost "
+                    f"{metrics_costs})",
+                    both["metrics_raw_mb_s"],
+                    both["off_raw_mb_s"],
+                    f"the --no-metrics server, in turns, {workers}w",
+                    "MB/s",
+                    "higher",
+                ),
+                Row(
+                    "server CPU",
+                    "server CPU per raw byte, metrics against --no-metrics, in turns "
+                    f"(median round; each round {metrics_cpu})",
+                    r["metrics_server_cpu_per_byte_ratio"],
+                    1.0,
+                    "--no-metrics",
+                    "x",
+                    "lower",
+                    digits=2,
+                ),
+            ]
+        return rows + [
             Row(
                 "ingest",
                 f"ingest MB/s raw, {workers} workers, metrics on and the dashboard polled once "
@@ -161,23 +196,29 @@ def side_by_side_scenario(name: str, *, workers: int, bursts: int, chunks: int) 
             side: sum(r[side]["raw_bytes"] for r in runs)
             / MB
             / sum(r[side]["wall_s"] for r in runs)
-            for side in ("on", "off")
+            for side in ("on", "metrics", "off")
         }
         out["all_rounds"] = {
             "on_raw_mb_s": mb_s["on"],
+            "metrics_raw_mb_s": mb_s["metrics"],
             "off_raw_mb_s": mb_s["off"],
             "cost": 1 - mb_s["on"] / mb_s["off"],
+            "metrics_cost": 1 - mb_s["metrics"] / mb_s["off"],
             "rounds": len(runs),
         }
-        out["runs_server_cpu_per_byte_ratio"] = [r["server_cpu_per_byte_ratio"] for r in runs]
+        for key in ("metrics_cost", "server_cpu_per_byte_ratio"):
+            out[f"runs_{key}"] = [r[key] for r in runs]
+        out["runs_metrics_server_cpu_per_byte_ratio"] = [
+            r["metrics_server_cpu_per_byte_ratio"] for r in runs
+        ]
         return out
 
     return Scenario(
         name,
         run,
         rows,
-        description=f"ingest, {workers} workers, metrics and dashboard on, in turns with a "
-        "--no-metrics server",
+        description=f"ingest, {workers} workers, metrics with the dashboard, and metrics "
+        "alone, in turns with a --no-metrics server",
         repeated=True,
         combine=combine,
     )
