@@ -45,7 +45,7 @@ def _child(mode: str, spec: dict[str, Any], log) -> Child:
 
 class ReverbProcesses:
     """A Reverb server with a table for `items` items and a writers process per spec, started
-    together; `round()` runs one timed round into the emptied table."""
+    together; `round()` runs one timed round into the empty table, and empties it after."""
 
     def __init__(self, items: int, specs: list[dict[str, Any]], logs: Path) -> None:
         self.items = items
@@ -64,8 +64,6 @@ class ReverbProcesses:
 
     def round(self) -> dict[str, Any]:
         server = self.server
-        server.send("reset")
-        server.read_json("reset", 60)
         cpu0 = server.cpu_s()
         machine0 = machine_snapshot()
         for w in self.writers:
@@ -79,6 +77,9 @@ class ReverbProcesses:
         info = server.read_json("info", 60)
         if info["current_size"] != self.items:
             raise RuntimeError(f"Reverb's table holds {info['current_size']} of {self.items} items")
+        # Emptied now: the held items would sit in memory through the other scenarios' rounds.
+        server.send("reset")
+        server.read_json("reset", 60)
         raw = sum(r["raw_bytes"] for r in results)
         return {
             "items": self.items,
