@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -42,7 +43,8 @@ def _take(value: Any, what: str = "trajectories") -> Any:
     names the field in the error for a value that is no array."""
     if isinstance(value, np.ndarray):
         return value
-    if _torch.is_tensor(value):
+    torch = sys.modules.get("torch")  # a tensor exists only once its caller imported torch
+    if torch is not None and isinstance(value, torch.Tensor):
         return _torch.take(value, what)
     start_copy = getattr(value, "copy_to_host_async", None)
     if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
