@@ -32,6 +32,12 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (False at once when torch was never imported)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def numpy_dtype(dtype: Any) -> np.dtype | None:
     """numpy's twin of a torch dtype, or None (bfloat16, the float8 types, quantized ...)."""
     try:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -43,8 +42,7 @@ def _take(value: Any, what: str = "trajectories") -> Any:
     names the field in the error for a value that is no array."""
     if isinstance(value, np.ndarray):
         return value
-    torch = sys.modules.get("torch")  # a tensor exists only once its caller imported torch
-    if torch is not None and isinstance(value, torch.Tensor):
+    if _torch.is_tensor(value):
         return _torch.take(value, what)
     start_copy = getattr(value, "copy_to_host_async", None)
     if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
