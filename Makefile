@@ -12,10 +12,13 @@ REVERB_LOG   := bench/results/reverb-install.log
 
 $(STAMP): pyproject.toml
 	@echo "== set-up: a virtualenv in $(VENV), then pip installs this project with its server,"
-	@echo "   dev (test) and docs extras from PyPI: about 2 GB installed (ray, jax, minari, ...)"
+	@echo "   dev (test) and docs extras from PyPI: about 2.5 GB installed (ray, jax, torch CPU, ...)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[server,dev,docs]'
+	@echo "== torch: the CPU build only (the dev extra's range matches the local +cpu wheel);"
+	@echo "   fails here if a CUDA build or nvidia-* libraries were installed"
+	$(PY) scripts/check_cpu_torch.py
 	@echo "== pip install --no-deps factoriax==0.1.0 (from PyPI): the in-process recorder the"
 	@echo "   equivalence tests compare against, without its jax/matplotlib stack"
 	$(PY) -m pip install --quiet --no-deps factoriax==0.1.0
