@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 	@echo "   dev (test) and docs extras from PyPI: about 2.5 GB installed (ray, jax, torch CPU, ...)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@echo "== torch's CPU build first, alone (the dev extra's range, which the local +cpu wheel"
+	@echo "   matches); the install below keeps it. Fails if CUDA libraries come in after all"
+	$(PY) -m pip install --quiet "$$($(PY) scripts/check_cpu_torch.py --requirement)"
 	$(PY) -m pip install --quiet -e '.[server,dev,docs]'
-	@echo "== torch: the CPU build only (the dev extra's range matches the local +cpu wheel);"
-	@echo "   fails here if a CUDA build or nvidia-* libraries were installed"
 	$(PY) scripts/check_cpu_torch.py
 	@echo "== pip install --no-deps factoriax==0.1.0 (from PyPI): the in-process recorder the"
 	@echo "   equivalence tests compare against, without its jax/matplotlib stack"

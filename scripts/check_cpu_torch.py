@@ -3,15 +3,35 @@
 torch's CUDA build brings gigabytes of nvidia-* wheels that no test here uses; pip takes the
 CPU build only while the dev extra's version range matches a +cpu wheel it can find. This
 fails loudly the day that stops being so.
+
+``--requirement`` prints the dev extra's torch requirement (from pyproject.toml), which make
+installs alone before the rest: resolved with everything else at once, pip took the index's
+CUDA build of the same version instead of the local +cpu wheel.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import sys
+import tomllib
+from pathlib import Path
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def torch_requirement() -> str:
+    dev = tomllib.loads(PYPROJECT.read_text())["project"]["optional-dependencies"]["dev"]
+    found = [r for r in dev if re.match(r"torch\b(?![-_.])", r)]
+    if len(found) != 1:
+        raise SystemExit(f"pyproject.toml: expected one torch requirement in dev, got {found}")
+    return found[0]
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--requirement"]:
+        print(torch_requirement())
+        return 0
     nvidia = sorted(
         {
             dist.metadata["Name"]
