@@ -284,7 +284,21 @@ class MetricsTracker:
 
     def inc(self, tag: str, amount: float = 1.0, **labels: object) -> None:
         """Add ``amount`` (>= 0) to a counter."""
-        self.inc_many({tag: amount}, **labels)
+        # `inc_many` for one tag, without its dict and lists: called for every chunk.
+        amount = float(amount)
+        if not amount >= 0:
+            raise ValueError(f"counter {tag!r}: amount must be >= 0, got {amount!r}")
+        lkey = label_key(labels) if labels else ()
+        key: object = (tag, lkey) if labels else tag
+        counters = self._counters
+        with self._lock:
+            self._seq = seq = self._seq + 1
+            old = counters.get(key)
+            if old is None:
+                self._table.register(key, tag, lkey, COUNTER)
+                counters[key] = (amount, seq)
+            else:
+                counters[key] = (old[0] + amount, seq)
 
     def inc_many(self, amounts: Mapping[str, float], **labels: object) -> None:
         """``inc`` for several counters with the same labels, under one lock."""
