@@ -49,6 +49,7 @@ _EXPORTS = {
     "list_sessions": "sessions",
     "open_dataset": "dataset",
     "read_episodes": "dataset",
+    "unflatten": "_obs",
 }
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "list_sessions",
     "open_dataset",
     "read_episodes",
+    "unflatten",
 ]
 
 
@@ -105,6 +107,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from ._obs import unflatten
     from ._stream import StreamStats
     from .capture import Episode, RemoteCapture
     from .capture_types import (

@@ -19,8 +19,27 @@ from .errors import InvalidChunkError
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 
+# Optional chunk by chunk: outside a worker's fixed layout.
+_OPTIONAL = frozenset({"outcome", "terminated", "truncated", "valid"})
+_MASKS = ("terminated", "truncated", "valid")
+
+
+def _is_obs(key: str) -> bool:
+    return key == "state:obs" or key.startswith("state:obs.")
+
+
 def _label(key: str) -> str:
-    return key.replace("state:", "env_states.") if key.startswith("state:") else key
+    if _is_obs(key):
+        return f"trajectories.{key[len('state:') :]}"
+    if key.startswith("final:"):
+        return f"trajectories.final_obs ({key[len('final:') :]})"
+    if key.startswith("state:"):
+        return key.replace("state:", "env_states.")
+    return f"trajectories.{key}" if key in _MASKS else key
+
+
+def _fixed(key: str) -> bool:
+    return key not in _OPTIONAL and not key.startswith("final:")
 
 
 def check_outcome(codes: Any) -> None:
@@ -61,10 +80,19 @@ def check_layout(
             raise InvalidChunkError(
                 f"{label}: expected shape starting with (T, N) = {tn}, got {shape}"
             )
-        if key in ("reward", "done", "outcome") and shape != tn:
+        if key in ("reward", "done", "outcome", *_MASKS) and shape != tn:
             raise InvalidChunkError(
                 f"trajectories.{key}: expected shape (T, N) = {tn}, got {shape}"
             )
+        if key in _MASKS and dtype != np.bool_:
+            raise InvalidChunkError(f"trajectories.{key}: expected dtype bool, got {dtype}")
+        if key.startswith("final:"):
+            want = schema.get("state:" + key[len("final:") :])
+            if want is not None and (shape, dtype) != want:
+                raise InvalidChunkError(
+                    f"{label}: expected {want[1]} of shape {want[0]} like the observation, "
+                    f"got {dtype} of shape {shape}"
+                )
         if key == "outcome" and dtype.kind not in "iu":
             raise InvalidChunkError(
                 f"trajectories.outcome: expected integer codes, got dtype {dtype}"
@@ -82,8 +110,9 @@ def check_layout(
                     f"session's capture configuration (record it with record_states=True), "
                     f"got fields {got}"
                 )
-    # Outcome codes are optional chunk by chunk; everything else must stay the same.
-    fixed = {k: v for k, v in schema.items() if k != "outcome"}
+    # Outcome codes, flags, the valid mask and final observations are optional chunk by
+    # chunk; everything else must stay the same.
+    fixed = {k: v for k, v in schema.items() if _fixed(k)}
     if previous is not None:
         check_against(previous, fixed)
     step = sum(int(np.prod(s[1:], dtype=np.int64)) * d.itemsize for s, d in schema.values())
@@ -91,6 +120,13 @@ def check_layout(
 
 
 def check_against(previous: Layout, schema: Layout) -> None:
+    obs_before = sorted(k[len("state:") :] for k in previous if _is_obs(k))
+    obs_now = sorted(k[len("state:") :] for k in schema if _is_obs(k))
+    if obs_before != obs_now:
+        raise InvalidChunkError(
+            f"trajectories.obs: expected the keys {obs_before} like this worker's earlier "
+            f"chunks, got {obs_now}"
+        )
     if set(previous) != set(schema):
         want = sorted(k[6:] for k in previous if k.startswith("state:"))
         got = sorted(k[6:] for k in schema if k.startswith("state:"))
@@ -114,3 +150,56 @@ def check_against(previous: Layout, schema: Layout) -> None:
                 f"{label}.shape: expected trailing shape {p_shape[2:]} after (T, N) like "
                 f"this worker's earlier chunks, got {shape[2:]}"
             )
+
+
+def _at(mask: np.ndarray) -> tuple[int, int]:
+    row, env = (int(i) for i in np.argwhere(mask)[0])
+    return row, env
+
+
+def check_flags(arrays: dict[str, Any], open_empty: np.ndarray | None) -> np.ndarray | None:
+    """The values of the flags and the valid mask (host arrays only; the server checks a
+    device array's): ``done`` is terminated | truncated, and a row marked False stands only
+    where the env's open episode has no step yet (``open_empty``: (N,) before this chunk,
+    None when not known) and carries no flag. Returns ``open_empty`` after the chunk."""
+    done = arrays["done"]
+    names = ("done", "terminated", "truncated", "valid")
+    if not all(isinstance(arrays.get(k), (np.ndarray, type(None))) for k in names):
+        return None
+    if done.dtype != np.bool_:
+        done = done.astype(bool)
+    if "terminated" in arrays:
+        term, trunc = arrays["terminated"], arrays["truncated"]
+        either = term | trunc
+        if not np.array_equal(either, done):
+            row, env = _at(either != done)
+            raise InvalidChunkError(
+                "trajectories.done: expected terminated | truncated, got "
+                f"done={bool(done[row, env])} with terminated={bool(term[row, env])} and "
+                f"truncated={bool(trunc[row, env])} at row {row}, env {env}"
+            )
+    valid = arrays.get("valid")
+    if valid is None:
+        return None
+    if not done.shape[0]:
+        return open_empty
+    if not valid.all():
+        flagged = ~valid & done
+        if flagged.any():
+            row, env = _at(flagged)
+            raise InvalidChunkError(
+                f"trajectories.valid: expected no done, terminated or truncated flag on a "
+                f"row marked False, got one at row {row}, env {env}"
+            )
+        allowed = np.empty_like(valid)
+        allowed[0] = True if open_empty is None else open_empty
+        allowed[1:] = done[:-1] | ~valid[:-1]
+        bad = ~valid & ~allowed
+        if bad.any():
+            row, env = _at(bad)
+            raise InvalidChunkError(
+                f"trajectories.valid: expected True at row {row}, env {env}, got False: a "
+                "row outside every episode may only stand where the env's open episode has "
+                "no step yet (its first row, right after a done, or after another False row)"
+            )
+    return done[-1] | ~valid[-1]

@@ -68,6 +68,7 @@ class _Outputs:
         self.ends = np.cumsum(self.lengths)  # steps before each row's end, for part sizes
         self.seen = np.zeros((len(self.arrays), rows), dtype=bool)
         self._scratch = np.empty(0, dtype=np.uint8)
+        self.finals = _Finals(header, rows)
 
     def add(self, part: pb.ArrayPart) -> None:
         """Check one part against the header, decode it and write its steps into their rows."""
@@ -139,6 +140,7 @@ class _Outputs:
                 f"{self.names[field]!r} never arrived"
             )
         h = self.header
+        terminated, truncated = self.finals.flags()
         return Trajectory(
             self.arrays[0],
             self.arrays[1],
@@ -152,6 +154,9 @@ class _Outputs:
             corrupt_chunks=list(h.corrupt_chunks),
             num_corrupt_chunks=h.num_corrupt_chunks,
             episode_partial=self._partial(),
+            episode_terminated=terminated,
+            episode_truncated=truncated,
+            final_states=self.finals.result(),
         )
 
     def _partial(self) -> np.ndarray | None:
@@ -163,6 +168,76 @@ class _Outputs:
                 f"Finish: expected {self.lengths.size} partial flags, got {len(partial)}"
             )
         return partial_names(np.asarray(partial, dtype=np.int64))
+
+
+class _Finals:
+    """The per-episode end of a header: both flags, and the final-state fields, whose rows
+    arrive as FinishPart.final parts (one state an episode)."""
+
+    def __init__(self, header: pb.FinishHeader, rows: int) -> None:
+        self.header, self.rows = header, rows
+        self.names = [f.name for f in header.final_fields]
+        self.arrays: list[np.ndarray] = []
+        for f in header.final_fields:
+            what = f"Finish: final_fields[{f.name!r}]"
+            dtype = _wire.parse_dtype(f.dtype, what)
+            shape = tuple(int(s) for s in f.shape)
+            if not shape or shape[0] != rows or any(s < 0 for s in shape):
+                raise RecorderError(f"{what}: expected a shape (B={rows}, ...), got {list(shape)}")
+            self.arrays.append(np.zeros(shape, dtype=dtype))
+        self.seen = np.zeros((len(self.arrays), rows), dtype=bool)
+
+    def flags(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(terminated, truncated), or Nones from a server that sends neither."""
+        h = self.header
+        got = (len(h.terminated), len(h.truncated))
+        if got == (0, 0) and self.rows:
+            return None, None
+        if got != (self.rows, self.rows):
+            raise RecorderError(
+                f"Finish: expected {self.rows} terminated and truncated flags, got {got}"
+            )
+        return np.asarray(h.terminated, dtype=bool), np.asarray(h.truncated, dtype=bool)
+
+    def add(self, part: pb.ArrayPart) -> None:
+        field, lo = int(part.field), int(part.row_start)
+        hi = lo + int(part.row_count)
+        if field >= len(self.arrays) or hi > self.rows:
+            raise RecorderError(
+                f"Finish: expected a final part within {len(self.arrays)} fields and "
+                f"{self.rows} rows, got rows {lo}:{hi} of field {field}"
+            )
+        if self.seen[field, lo:hi].any():
+            raise RecorderError(
+                f"Finish: rows {lo}:{hi} of final field {self.names[field]!r} arrived twice"
+            )
+        self.seen[field, lo:hi] = True
+        out = self.arrays[field]
+        what = f"Finish: final part for rows {lo}:{hi} of field {self.names[field]!r}"
+        msg = part.array
+        try:
+            dtype, shape = _wire.check_header(msg.dtype, msg.shape, msg.raw_size, what, out.nbytes)
+        except _wire.ArrayDecodeError as exc:
+            raise RecorderError(str(exc)) from None
+        expected = (hi - lo, *out.shape[1:])
+        if shape != expected or dtype != out.dtype:
+            raise RecorderError(
+                f"{what}: expected {out.dtype} of shape {list(expected)}, "
+                f"got {dtype} of shape {list(shape)}"
+            )
+        try:
+            _wire.decode_into(msg.codec, msg.data, out[lo:hi], what)
+        except _wire.ArrayDecodeError as exc:
+            raise RecorderError(str(exc)) from None
+
+    def result(self) -> dict[str, np.ndarray]:
+        if not self.seen.all():
+            field, row = (int(i[0]) for i in np.nonzero(~self.seen))
+            raise RecorderError(
+                f"Finish: expected every row of every final field, row {row} of field "
+                f"{self.names[field]!r} never arrived"
+            )
+        return dict(zip(self.names, self.arrays))
 
 
 class _WorkerRows:
@@ -336,6 +411,8 @@ def assemble(parts: Iterable[pb.FinishPart]) -> Trajectory:
                     outputs = _Outputs(part.header)
                 elif outputs is None:
                     raise RecorderError("Finish: the server sent data before the header")
+                elif kind == "final":
+                    outputs.finals.add(part.final)
                 elif kind == "chunk":
                     frames = frames or _Frames(outputs)
                     rows, checked = frames.check(part.chunk)

@@ -90,11 +90,16 @@ def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.Recor
     if item.dones is None:
         item.dones = int(np.count_nonzero(done))
     chunk.done.CopyFrom(array_to_proto(done, level, pack))
-    if "outcome" in arrays:
-        chunk.outcome.CopyFrom(array_to_proto(_to_host(arrays["outcome"]), level, pack))
+    for name in ("outcome", "terminated", "truncated", "valid"):
+        if name in arrays:
+            getattr(chunk, name).CopyFrom(array_to_proto(_to_host(arrays[name]), level, pack))
     for name, value in arrays.items():
         if name.startswith("state:"):
             chunk.states.append(
+                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
+            )
+        elif name.startswith("final:"):
+            chunk.finals.append(
                 pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
             )
     return pb.RecordRequest(chunk=chunk)

@@ -282,6 +282,9 @@ RESERVED_NAMES = frozenset(
         "episode_env",
         "episode_start",
         "episode_done",
+        "episode_terminated",
+        "episode_truncated",
+        "final_states",
         "worker_ids",
     }
 )

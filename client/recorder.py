@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _torch, _wire
+from . import _checks, _chunk, _wire
+from ._chunk import take as _take
 from ._connection import Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
@@ -35,53 +36,6 @@ logger = logging.getLogger(__name__)
 
 TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
 DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
-
-
-def _take(value: Any, what: str = "trajectories") -> Any:
-    """A reference to a host array, or a device array whose host copy has started. ``what``
-    names the field in the error for a value that is no array."""
-    if isinstance(value, np.ndarray):
-        return value
-    if _torch.is_tensor(value):
-        return _torch.take(value, what)
-    start_copy = getattr(value, "copy_to_host_async", None)
-    if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
-        if not _on_cpu(value):
-            start_copy()
-        return value
-    try:
-        return np.asarray(value)
-    except Exception as exc:  # a ragged list, an object whose __array__ fails ...
-        raise InvalidChunkError(
-            f"{what}: expected a numpy array, torch tensor or JAX array, got "
-            f"{type(value).__name__} ({exc})"
-        ) from None
-
-
-# Whether each sharding seen puts its arrays on CPU devices only (a loop's arrays share a
-# few shardings, and asking their devices costs the caller a microsecond an array).
-_ON_CPU: dict[Any, bool] = {}
-_MAX_SHARDINGS = 64
-
-
-def _on_cpu(value: Any) -> bool:
-    """Whether a (JAX) device array lives on CPU devices only. Its buffer is host memory,
-    which the sender thread reads in place (np.asarray is a view), so no copy is started:
-    on CPU, copy_to_host_async() only cost the caller time (bench `latency_jax`: p99 from
-    0.3-2.9 ms down to 75-156 us, the slow calls waiting for the GIL inside it)."""
-    sharding = getattr(value, "sharding", None)
-    try:
-        return _ON_CPU[sharding]
-    except (KeyError, TypeError):  # not seen, or not hashable
-        pass
-    devices = getattr(sharding, "device_set", None)
-    on_cpu = bool(devices) and all(getattr(d, "platform", None) == "cpu" for d in devices)
-    if len(_ON_CPU) < _MAX_SHARDINGS:
-        try:
-            _ON_CPU[sharding] = on_cpu
-        except TypeError:
-            pass
-    return on_cpu
 
 
 class RolloutRecorder:
@@ -180,6 +134,9 @@ class RolloutRecorder:
         self._shapes_raw = 0
         self._layout: Any = None
         self._step_bytes = 0
+        # (N,) whether each env's open episode has no step yet, after the chunks with a
+        # valid mask (None: not known here; the server checks then).
+        self._open_empty: np.ndarray | None = None
         self._closed = False
         self._embedded: EmbeddedServer | None = None
         self._connection: Connection | None = None
@@ -317,6 +274,8 @@ class RolloutRecorder:
         for name in ("action", "reward", "done"):
             value = get(name) if get else getattr(trajectories, name, None)
             if value is None:
+                if name == "done":  # terminated and truncated may stand for it
+                    break
                 raise InvalidChunkError(
                     f"trajectories.{name}: expected an array (attribute or mapping key), got none"
                 )
@@ -335,7 +294,13 @@ class RolloutRecorder:
                     arrays[key] = (
                         value if type(value) is np.ndarray else _take(value, f"env_states.{name}")
                     )
+        # The contract's flags, valid mask and observations (done from the flags' OR).
+        _chunk.add_contract(arrays, trajectories, get)
         raw, schema = self._validate(arrays)
+        if "valid" in arrays or "terminated" in arrays:
+            open_empty = _checks.check_flags(arrays, self._open_empty)
+        else:
+            open_empty = None
         with self._lock:
             self._sequence += 1
             done = arrays["done"]
@@ -352,8 +317,10 @@ class RolloutRecorder:
             )
             if not self._sender.submit(item, block=self._block):
                 self._sequence -= 1
+                self._open_empty = None
                 self._raise_async_errors()
                 return False
+            self._open_empty = open_empty
         # A refusal of an earlier chunk is raised here, after this call's chunk is queued:
         # catching it never costs a chunk.
         self._raise_async_errors()
@@ -404,11 +371,13 @@ class RolloutRecorder:
 
     def _refused(self, item: PendingChunk) -> None:
         # The sender thread: a refusal before anything was stored unfixes the layout.
+        self._open_empty = None  # the server cut the worker's episodes there
         if not self._schema_stored:
             self._schema = None
             self._signature = self._shapes = None
 
     def _forget_layout(self) -> None:
+        self._open_empty = None
         self._schema = None
         self._schema_stored = False
         self._signature = self._shapes = None

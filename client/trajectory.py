@@ -9,7 +9,15 @@ import numpy as np
 
 from ._wire import RESERVED_NAMES
 
-_META = ("lengths", "episode_worker", "episode_env", "episode_start", "episode_done")
+_META = (
+    "lengths",
+    "episode_worker",
+    "episode_env",
+    "episode_start",
+    "episode_done",
+    "episode_terminated",
+    "episode_truncated",
+)
 
 # Why an episode is partial, as bit flags (the wire's FinishHeader.partial, the dataset's
 # `partial` column as names joined by "+"). 0: a whole episode.
@@ -46,7 +54,12 @@ class Trajectory:
     worker's time axis), `episode_done` (a done flag ended it) and
     `episode_partial` (why the episode is not whole: "" when it is, else
     "gap_before", "gap_after", "corrupt" or several joined by "+"). Steps at or
-    past `lengths[b]` are zero padding, not no-op actions. `corrupt_chunks` names
+    past `lengths[b]` are zero padding, not no-op actions. `episode_terminated` and
+    `episode_truncated` ((B,) bool) are the flags of each episode's last step (recorded
+    with `done` only: terminated is `episode_done`, truncated False; both False where no
+    flag ended the episode). `final_states` maps state field names (`obs`, `obs.pos`) to
+    (B, ...) arrays: each episode's state after its last step, zeros where no flag ended
+    it; empty when no final observation was recorded. `corrupt_chunks` names
     the acknowledged chunks whose frames were found not to decode and read as
     zeros here (at most 64 listed; `num_corrupt_chunks` counts them all).
     """
@@ -66,6 +79,9 @@ class Trajectory:
         corrupt_chunks: list[str] | tuple[str, ...] = (),
         num_corrupt_chunks: int | None = None,
         episode_partial: np.ndarray | None = None,
+        episode_terminated: np.ndarray | None = None,
+        episode_truncated: np.ndarray | None = None,
+        final_states: dict[str, np.ndarray] | None = None,
     ) -> None:
         self.actions = actions
         self.rewards = rewards
@@ -81,6 +97,13 @@ class Trajectory:
         if episode_partial is None:
             episode_partial = np.full(np.shape(lengths)[0], "", dtype="<U32")
         self.episode_partial = np.asarray(episode_partial, dtype=np.str_)
+        if episode_terminated is None:
+            episode_terminated = np.asarray(episode_done, dtype=bool).copy()
+        if episode_truncated is None:
+            episode_truncated = np.zeros(np.shape(lengths)[0], dtype=bool)
+        self.episode_terminated = np.asarray(episode_terminated, dtype=bool)
+        self.episode_truncated = np.asarray(episode_truncated, dtype=bool)
+        self.final_states: dict[str, np.ndarray] = dict(final_states or {})
         self.worker_ids = tuple(worker_ids)
         self.corrupt_chunks = tuple(corrupt_chunks)
         self.num_corrupt_chunks = max(len(self.corrupt_chunks), num_corrupt_chunks or 0)
@@ -133,6 +156,8 @@ class Trajectory:
         arrays: dict[str, Any] = {"actions": self.actions, "rewards": self.rewards}
         for name, value in self.states.items():
             arrays[f"state__{name}"] = value
+        for name, value in self.final_states.items():
+            arrays[f"final__{name}"] = value
         for name in _META:
             arrays[name] = getattr(self, name)
         arrays["worker_ids"] = np.asarray(self.worker_ids, dtype=np.str_)
@@ -147,6 +172,9 @@ class Trajectory:
     def load(cls, path: str | os.PathLike[str]) -> Trajectory:
         with np.load(path, allow_pickle=False) as data:
             states = {k[len("state__") :]: data[k] for k in data.files if k.startswith("state__")}
+            finals = {k[len("final__") :]: data[k] for k in data.files if k.startswith("final__")}
+            # Files saved before the flags existed read as recorded with done only.
+            meta = {name: data[name] for name in _META if name in data.files}
             corrupt = data["corrupt_chunks"] if "corrupt_chunks" in data.files else ()
             return cls(
                 data["actions"],
@@ -160,7 +188,8 @@ class Trajectory:
                 episode_partial=(
                     data["episode_partial"] if "episode_partial" in data.files else None
                 ),
-                **{name: data[name] for name in _META},
+                final_states=finals,
+                **meta,
             )
 
     def __repr__(self) -> str:

@@ -3,7 +3,9 @@
 A chunk arrives with its arrays still encoded (`EncodedArray`: a checked header and the
 bytes as they travelled). `decode_chunk` checks it against the session's configuration
 (shapes agree, dtypes allowed, the fields the configuration asks for) and decodes it.
-Array keys: ``action``, ``reward``, ``done``, ``outcome`` and ``state:<env-state name>``.
+Array keys: ``action``, ``reward``, ``done``, ``outcome``, ``state:<env-state name>``, and
+the producer contract's optional ``terminated``, ``truncated``, ``valid`` and
+``final:<state name>`` (the state after each step, read where an episode ends).
 """
 
 from __future__ import annotations
@@ -21,9 +23,24 @@ from recorder_client.capture_types import EpisodeOutcome, TrajectoryTrainingConf
 from .errors import RequestError, invalid
 
 STATE = "state:"
+FINAL = "final:"
+FLAGS = ("terminated", "truncated")
 _NUM_OUTCOMES = len(EpisodeOutcome)
 # Decoded before every ack: episodes are split and counted from them.
-ALWAYS_DECODED = frozenset({"done", "reward", "outcome"})
+ALWAYS_DECODED = frozenset({"done", "reward", "outcome", "terminated", "truncated", "valid"})
+# Optional chunk by chunk, so outside the session's schema (a finish reads them per chunk).
+_UNSCHEMED = frozenset({"done", "outcome", "terminated", "truncated", "valid"})
+_CONTRACT_MASKS = frozenset({"terminated", "truncated", "valid"})
+
+
+def in_schema(key: str) -> bool:
+    """Whether array ``key`` must keep its dtype and trailing shape across chunks."""
+    return key not in _UNSCHEMED and not key.startswith(FINAL)
+
+
+def is_obs_field(name: str) -> bool:
+    """Observation state fields (``obs``, ``obs.pos``): recorded whatever record_states says."""
+    return name == "obs" or name.startswith("obs.")
 
 
 @dataclass(frozen=True)
@@ -344,9 +361,12 @@ def decode_chunk(
     sent = [k[len(STATE) :] for k in arrays if k.startswith(STATE)]
     for name in sent:
         what = array_label("chunk", STATE + name)
-        if name not in allowed:
+        if name not in allowed and not is_obs_field(name):
             expected = sorted(allowed) if allowed else "none (record_states is off)"
-            raise invalid(f"chunk.states: expected fields from {expected}, got {_wire.shown(name)}")
+            raise invalid(
+                f"chunk.states: expected fields from {expected} or observation fields "
+                f"('obs', 'obs.<key>'), got {_wire.shown(name)}"
+            )
         shape = list(arrays[STATE + name].shape)
         if len(shape) < 2 or shape[:2] != tn:
             raise invalid(f"{what}: expected shape starting with {tn} (T, N), got {shape}")
@@ -365,17 +385,19 @@ def decode_chunk(
             f"chunk.outcome: expected integer codes of shape {tn} (T, N), "
             f"got {outcome.dtype} {list(outcome.shape)}"
         )
+    check_contract_headers(arrays, tn)
     take = alloc or _fresh
     decoded: dict[str, np.ndarray] = {}
     schema: Schema = {}
     later: list[str] = []
     for key, enc in arrays.items():
-        if key not in ("done", "outcome"):
+        if in_schema(key):
             schema[key] = (enc.dtype, enc.shape[2:])
         if lazy is not None and key not in ALWAYS_DECODED and lazy(key):
             later.append(key)
             continue
-        out = take(key, enc.shape, enc.dtype)
+        # The flags and the mask are read after the next decode: never into shared scratch.
+        out = (_fresh if key in _CONTRACT_MASKS else take)(key, enc.shape, enc.dtype)
         try:
             enc.decode_into(out, f"chunk.{key}")
         except ValueError as exc:
@@ -390,17 +412,27 @@ def decode_chunk(
                 f"chunk.outcome: expected codes 0..{_NUM_OUTCOMES - 1} (EpisodeOutcome), "
                 f"got {int(codes[t, e])} at step {t} of environment {e}"
             )
+    check_contract_values(decoded)
     return DecodedChunk(chunk.sequence, length, n, decoded["done"], decoded, schema, tuple(later))
 
 
-def check_schema(expected: Schema | None, num_envs: int | None, chunk: DecodedChunk) -> None:
+def check_schema(
+    expected: Schema | None,
+    num_envs: int | None,
+    chunk: DecodedChunk,
+    open_empty: np.ndarray | None = None,
+) -> None:
     """A chunk must match its worker's N and the session's dtypes, trailing shapes and state
-    fields so far (None: nothing stored yet)."""
+    fields so far (None: nothing stored yet), and its valid mask the worker's open episodes
+    (``open_empty``, see `check_open_rows`)."""
     if num_envs is not None and chunk.num_envs != num_envs:
         raise invalid(
             f"chunk.N: expected {num_envs} environments like this worker's earlier chunks, "
             f"got {chunk.num_envs}"
         )
+    valid = chunk.arrays.get("valid")
+    if valid is not None:
+        check_open_rows(valid, chunk.dones, open_empty)
     if expected is None:
         return
     want = sorted(k[len(STATE) :] for k in expected if k.startswith(STATE))
@@ -421,3 +453,93 @@ def check_schema(expected: Schema | None, num_envs: int | None, chunk: DecodedCh
                 f"chunk.{key}.shape: expected trailing shape {list(trailing)} after (T, N) like "
                 f"the session's earlier chunks, got {list(got_trailing)}"
             )
+
+
+def _first(mask: np.ndarray) -> tuple[int, int]:
+    row, env = (int(i) for i in np.argwhere(mask)[0])
+    return row, env
+
+
+def check_contract_headers(arrays: Mapping[str, EncodedArray], tn: list[int]) -> None:
+    """The contract's optional arrays, from their headers (nothing decoded yet): the flags
+    and the valid mask (T, N) bool, terminated and truncated together, and each
+    ``final:<name>`` shaped like the chunk's ``state:<name>``."""
+    for key in (*FLAGS, "valid"):
+        enc = arrays.get(key)
+        if enc is None:
+            continue
+        if list(enc.shape) != tn or enc.dtype != np.bool_:
+            raise invalid(
+                f"chunk.{key}: expected bool of shape {tn} (T, N) like chunk.action, "
+                f"got {enc.dtype} {list(enc.shape)}"
+            )
+    if ("terminated" in arrays) != ("truncated" in arrays):
+        given, missing = ("terminated", "truncated")[:: 1 if "terminated" in arrays else -1]
+        raise invalid(
+            f"chunk.{missing}: expected it alongside chunk.{given} (both or neither), got none"
+        )
+    for key, enc in arrays.items():
+        if not key.startswith(FINAL):
+            continue
+        name = key[len(FINAL) :]
+        state = arrays.get(STATE + name)
+        what = f"chunk.finals[{_wire.shown(name)}]"
+        if state is None:
+            raise invalid(
+                f"{what}: expected the state field {_wire.shown(name)} in the same chunk "
+                "(a final state pairs with a recorded one), got none"
+            )
+        if state.dtype != enc.dtype or state.shape != enc.shape:
+            raise invalid(
+                f"{what}: expected {state.dtype} of shape {list(state.shape)} like "
+                f"{array_label('chunk', STATE + name)}, got {enc.dtype} {list(enc.shape)}"
+            )
+
+
+def check_contract_values(decoded: dict[str, np.ndarray]) -> None:
+    """``done`` is terminated | truncated, and a row the valid mask marks False carries no
+    flag. Invalid rows' rewards and outcome codes read as zero from here on (the decoded
+    copies only; the stored frames keep what was sent): no episode sums them."""
+    done = decoded["done"]
+    if "terminated" in decoded:
+        term, trunc = decoded["terminated"], decoded["truncated"]
+        either = term | trunc
+        if not np.array_equal(either, done):
+            row, env = _first(either != done)
+            raise invalid(
+                "chunk.done: expected terminated | truncated, got "
+                f"done={bool(done[row, env])} with terminated={bool(term[row, env])} and "
+                f"truncated={bool(trunc[row, env])} at row {row} of environment {env}"
+            )
+    valid = decoded.get("valid")
+    if valid is None or valid.all():
+        return
+    flagged = ~valid & done
+    if flagged.any():
+        row, env = _first(flagged)
+        raise invalid(
+            f"chunk.valid: expected no done, terminated or truncated flag on a row marked "
+            f"False, got one at row {row} of environment {env}"
+        )
+    for key in ("reward", "outcome"):
+        if key in decoded:
+            decoded[key][~valid] = 0
+
+
+def check_open_rows(valid: np.ndarray, done: np.ndarray, open_empty: np.ndarray | None) -> None:
+    """A False row of the valid mask only where that environment's open episode has no step
+    yet: its first row, right after a done, or after another False row. ``open_empty``: (N,)
+    whether each environment's open episode had no step before the chunk (None: none did)."""
+    if valid.all() or not valid.shape[0]:
+        return
+    allowed = np.empty_like(valid)
+    allowed[0] = True if open_empty is None else open_empty
+    allowed[1:] = done[:-1] | ~valid[:-1]
+    bad = ~valid & ~allowed
+    if bad.any():
+        row, env = _first(bad)
+        raise invalid(
+            f"chunk.valid: expected True at row {row} of environment {env}, got False: a row "
+            "outside every episode may only stand where the environment's open episode has "
+            "no step yet (its first row, right after a done, or after another False row)"
+        )

@@ -21,7 +21,8 @@ import numpy as np
 from recorder_client._wire import trajectory_name
 from recorder_client.trajectory import CORRUPT, GAP_AFTER, GAP_BEFORE
 
-from .chunks import EncodedArray, Schema
+from .chunks import FINAL, STATE, EncodedArray, Schema, is_obs_field
+from .episode_ends import end_flags, final_names, final_rows
 
 
 @dataclass
@@ -116,12 +117,15 @@ class WorkerTimeline:
         arrays: dict[str, EncodedArray],
         wire_bytes: int,
         outcome: EncodedArray | None = None,
+        valid: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Store a validated chunk and split it at its done flags.
 
         Returns the (env, start, end) arrays of the episodes this chunk finished,
         on the worker's time axis, and their partial flags (GAP_BEFORE where a gap
-        hid the start).
+        hid the start). Rows ``valid`` marks False belong to no episode: they stand only
+        where an env's open episode has no step yet (checked by `chunks.check_open_rows`),
+        so each start moves past them to the env's next valid row.
         """
         length, n = dones.shape
         if self.num_envs is None:
@@ -137,11 +141,15 @@ class WorkerTimeline:
         end = t + (t0 + 1)
         start = np.empty_like(end)
         partial = np.zeros(end.size, dtype=np.uint8)
+        skip = None if valid is None or valid.all() else _next_valid(valid)
         if end.size:
             start[1:] = end[:-1]
             first = np.ones(end.size, dtype=bool)
             first[1:] = env[1:] != env[:-1]
             start[first] = self.open_start[env[first]]
+            if skip is not None:  # a start in this chunk moves to its env's next valid row
+                here = start >= t0
+                start[here] = t0 + skip[start[here] - t0, env[here]]
             if self.cuts:
                 partial[first] = np.where(open_partial[env[first]], GAP_BEFORE, 0)
             last = np.ones(end.size, dtype=bool)
@@ -154,6 +162,9 @@ class WorkerTimeline:
             self.table.start.append(start)
             self.table.end.append(end)
             self.table.partial.append(partial)
+        if skip is not None:  # open episodes with no step yet start at their next valid row
+            here = np.flatnonzero(self.open_start >= t0)
+            self.open_start[here] = t0 + skip[self.open_start[here] - t0, here]
         self.chunks.append(StoredChunk(t0, length, arrays, wire_bytes, outcome))
         self.t_total += length
         self.episodes_finished += int(end.size)
@@ -246,6 +257,13 @@ class WorkerTimeline:
         if env.size:
             self.table.partial = [flags]
 
+    def open_empty(self) -> np.ndarray | None:
+        """(N,) whether each env's open episode has no step yet (None before the first
+        chunk). Starts skip invalid rows, so that is exactly an open start at t_total."""
+        if self.open_start is None:
+            return None
+        return self.open_start == self.t_total
+
     def oldest_open(self) -> int:
         """The first step some open episode still needs (t_total when none is open)."""
         if self.open_start is None or not self.open_start.size:
@@ -270,12 +288,13 @@ class WorkerTimeline:
             tails = [t for t in self.cut_tails if include_partial or not t[3] & GAP_BEFORE]
             # The in-process rule: keep the tail when the env never finished an
             # episode (even an empty one), or when steps follow its last done. One a gap
-            # began is kept when it has steps (and partial pieces are asked for).
+            # began is kept when it has steps (and partial pieces are asked for). Invalid
+            # rows alone (an open start moved past them) make no episode.
             has_steps = self.open_start < self.t_total
             keep = np.where(
                 open_partial,
                 has_steps & include_partial,
-                (self.finished_per_env == 0) | has_steps,
+                ((self.finished_per_env == 0) & (self.open_start == 0)) | has_steps,
             )
             tail_env = np.nonzero(keep)[0].astype(np.int64)
             cut = np.asarray(tails, dtype=np.int64).reshape(-1, 4)
@@ -289,6 +308,16 @@ class WorkerTimeline:
             flags = np.concatenate([flags, cut[:, 3], open_flags]).astype(np.uint8)
         order = np.lexsort((start, env))
         return env[order], start[order], end[order], done[order], flags[order]
+
+
+def _next_valid(valid: np.ndarray) -> np.ndarray:
+    """(T + 1, N): for each local row and env, the first row at or after it that ``valid``
+    marks True (T when none)."""
+    length = valid.shape[0]
+    rows = np.where(valid, np.arange(length)[:, None], length)
+    out = np.full((length + 1, valid.shape[1]), length, dtype=np.int64)
+    out[:length] = np.minimum.accumulate(rows[::-1], axis=0)[::-1]
+    return out
 
 
 def field_array(chunks: list[StoredChunk], key: str, until: int) -> np.ndarray:
@@ -350,6 +379,11 @@ class Assembly:
     """(B,) uint8 flags: why each episode is not whole (0: it is)."""
     fields: list[FieldOut]
     per_worker: list[WorkerRows]
+    terminated: np.ndarray
+    truncated: np.ndarray
+    """(B,) bool each: the flags of each episode's last step (`episode_ends.end_flags`)."""
+    finals: list[FieldOut]
+    """The final-state fields, (B, ...) each: key ``final:<name>``, trailing shape."""
     _step_index: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def mark_corrupt(self) -> None:
@@ -373,6 +407,22 @@ class Assembly:
                     return None
                 frames.append((part.position, chunk))
         return frames
+
+    def final_parts(self, spec: FieldOut, part_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(first row, row count, rows) of a final-state field: each episode's state after
+        its last step (zeros where no flag ended it), in parts of at most part_bytes (at
+        least one row). Call once the chunks are proved (`Session.verify`)."""
+        out = np.zeros((self.num_episodes, *spec.trailing), dtype=spec.dtype)
+        name = spec.key[len(FINAL) :]
+        for part in self.per_worker:
+            got = np.zeros((part.rows.size, *spec.trailing), dtype=spec.dtype)
+            final_rows(part.chunks, name, part.env, part.end, self.done[part.rows], got)
+            out[part.rows] = got
+        row_bytes = max(1, out[:1].nbytes)
+        step = max(1, part_bytes // row_bytes)
+        for lo in range(0, self.num_episodes, step):
+            hi = min(self.num_episodes, lo + step)
+            yield lo, hi - lo, out[lo:hi]
 
     def field_parts(self, spec: FieldOut, part_bytes: int) -> Iterator[tuple[int, int, np.ndarray]]:
         """(first row, row count, real steps of those rows joined episode by episode), parts
@@ -487,7 +537,9 @@ def assemble(
         rows = np.arange(total, total + env.size, dtype=np.int64)
         total += env.size
         per.append(WorkerRows(position, list(tl.chunks), rows, env, start, end))
-        metas.append((position, env, start, end, done, flags))
+        metas.append(
+            (position, env, start, end, done, flags, *end_flags(tl.chunks, env, end, done))
+        )
     if total == 0:
         raise NoEpisodesError(NO_EPISODES_MESSAGE)
     lengths = np.concatenate([m[3] - m[2] for m in metas])
@@ -495,10 +547,22 @@ def assemble(
         FieldOut("actions", "action", *schema["action"]),
         FieldOut("rewards", "reward", np.dtype(np.float32), ()),
     ]
-    for name in state_order:
+    # Observation fields are recorded whatever state_fields say: after them, in schema order.
+    names = [*state_order]
+    names += [
+        k[len(STATE) :] for k in schema if k.startswith(STATE) and is_obs_field(k[len(STATE) :])
+    ]
+    names = list(dict.fromkeys(names))
+    for name in names:
         key = f"state:{name}"
         if key in schema:
             fields.append(FieldOut(trajectory_name(name), key, *schema[key]))
+    chunks = [c for part in per for c in part.chunks]
+    finals = [
+        FieldOut(trajectory_name(name), FINAL + name, *schema[STATE + name])
+        for name in final_names(chunks, names)
+        if STATE + name in schema
+    ]
     return Assembly(
         num_episodes=total,
         max_length=int(lengths.max()),
@@ -510,4 +574,7 @@ def assemble(
         partial=np.concatenate([m[5] for m in metas]).astype(np.uint8),
         fields=fields,
         per_worker=per,
+        terminated=np.concatenate([m[6] for m in metas]),
+        truncated=np.concatenate([m[7] for m in metas]),
+        finals=finals,
     )

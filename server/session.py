@@ -376,7 +376,7 @@ class Session(FrameProofs, StoreVerbs):
                 if self.is_full:
                     return self._drop_full(worker_id, timeline, seq, log)
                 try:
-                    check_schema(self.schema, timeline.num_envs, decoded)
+                    check_schema(self.schema, timeline.num_envs, decoded, timeline.open_empty())
                 except RequestError:
                     self._skip(worker_id, timeline, seq, log, cut=True)
                     raise
@@ -394,7 +394,11 @@ class Session(FrameProofs, StoreVerbs):
                         ) from None
                 stored = {k: a for k, a in chunk.arrays.items() if k != "outcome"}
                 env, start, end, partial = timeline.add_chunk(
-                    decoded.dones, stored, chunk.wire_bytes, chunk.arrays.get("outcome")
+                    decoded.dones,
+                    stored,
+                    chunk.wire_bytes,
+                    chunk.arrays.get("outcome"),
+                    decoded.arrays.get("valid"),
                 )
                 kept = timeline.chunks[-1]
                 kept.worker, kept.sequence = worker_id, seq  # named if a frame fails its proof

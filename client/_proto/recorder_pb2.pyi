@@ -125,20 +125,28 @@ class RecordOpen(_message.Message):
     def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome")
+    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     STATES_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    FINALS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     action: ArrayData
     reward: ArrayData
     done: ArrayData
     states: _containers.RepeatedCompositeFieldContainer[NamedArray]
     outcome: ArrayData
-    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ...) -> None: ...
+    terminated: ArrayData
+    truncated: ArrayData
+    valid: ArrayData
+    finals: _containers.RepeatedCompositeFieldContainer[NamedArray]
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
 
 class RecordRequest(_message.Message):
     __slots__ = ("open", "chunk")
@@ -209,7 +217,7 @@ class FieldSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FinishHeader(_message.Message):
-    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids", "corrupt_chunks", "num_corrupt_chunks", "partial")
+    __slots__ = ("num_episodes", "max_length", "fields", "lengths", "workers", "envs", "starts", "done", "worker_ids", "corrupt_chunks", "num_corrupt_chunks", "partial", "terminated", "truncated", "final_fields")
     NUM_EPISODES_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FIELDS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +230,9 @@ class FinishHeader(_message.Message):
     CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CORRUPT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    TERMINATED_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELDS_FIELD_NUMBER: _ClassVar[int]
     num_episodes: int
     max_length: int
     fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
@@ -234,7 +245,10 @@ class FinishHeader(_message.Message):
     corrupt_chunks: _containers.RepeatedScalarFieldContainer[str]
     num_corrupt_chunks: int
     partial: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., corrupt_chunks: _Optional[_Iterable[str]] = ..., num_corrupt_chunks: _Optional[int] = ..., partial: _Optional[_Iterable[int]] = ...) -> None: ...
+    terminated: _containers.RepeatedScalarFieldContainer[bool]
+    truncated: _containers.RepeatedScalarFieldContainer[bool]
+    final_fields: _containers.RepeatedCompositeFieldContainer[FieldSpec]
+    def __init__(self, num_episodes: _Optional[int] = ..., max_length: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., workers: _Optional[_Iterable[int]] = ..., envs: _Optional[_Iterable[int]] = ..., starts: _Optional[_Iterable[int]] = ..., done: _Optional[_Iterable[bool]] = ..., worker_ids: _Optional[_Iterable[str]] = ..., corrupt_chunks: _Optional[_Iterable[str]] = ..., num_corrupt_chunks: _Optional[int] = ..., partial: _Optional[_Iterable[int]] = ..., terminated: _Optional[_Iterable[bool]] = ..., truncated: _Optional[_Iterable[bool]] = ..., final_fields: _Optional[_Iterable[_Union[FieldSpec, _Mapping]]] = ...) -> None: ...
 
 class ArrayPart(_message.Message):
     __slots__ = ("field", "row_start", "array", "row_count")
@@ -263,14 +277,16 @@ class ChunkFrames(_message.Message):
     def __init__(self, worker: _Optional[int] = ..., t0: _Optional[int] = ..., length: _Optional[int] = ..., num_envs: _Optional[int] = ..., fields: _Optional[_Iterable[_Union[ArrayData, _Mapping]]] = ...) -> None: ...
 
 class FinishPart(_message.Message):
-    __slots__ = ("header", "array", "chunk")
+    __slots__ = ("header", "array", "chunk", "final")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ARRAY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     header: FinishHeader
     array: ArrayPart
     chunk: ChunkFrames
-    def __init__(self, header: _Optional[_Union[FinishHeader, _Mapping]] = ..., array: _Optional[_Union[ArrayPart, _Mapping]] = ..., chunk: _Optional[_Union[ChunkFrames, _Mapping]] = ...) -> None: ...
+    final: ArrayPart
+    def __init__(self, header: _Optional[_Union[FinishHeader, _Mapping]] = ..., array: _Optional[_Union[ArrayPart, _Mapping]] = ..., chunk: _Optional[_Union[ChunkFrames, _Mapping]] = ..., final: _Optional[_Union[ArrayPart, _Mapping]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("session",)

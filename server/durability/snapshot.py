@@ -22,13 +22,17 @@ from recorder_client._wire import shown
 
 from ..chunks import (
     ALWAYS_DECODED,
+    FLAGS,
     STATE,
     EncodedArray,
     Schema,
     SessionConfig,
     array_label,
+    check_contract_headers,
     check_size,
     encoded_array,
+    in_schema,
+    is_obs_field,
 )
 from ..dataset.cursor import DatasetCursor
 from ..episodes import EpisodeTable, StoredChunk
@@ -273,7 +277,7 @@ def _schema(value: Any, config: SessionConfig, max_raw: int) -> Schema | None:
     schema: Schema = {}
     for key, spec in mapping(value, "state.schema").items():
         what = f"state.schema[{shown(key)}]"
-        if key not in allowed:
+        if key not in allowed and not (key.startswith(STATE) and is_obs_field(key[len(STATE) :])):
             raise SnapshotError(f"{what}: expected a key from {sorted(allowed)}")
         dtype_text, trailing = list_of(spec, what)
         try:
@@ -329,7 +333,7 @@ def _check_chunk(
         if key not in arrays:
             raise SnapshotError(f"{what}.arrays: expected {key!r}, got {sorted(arrays)}")
     for key, a in arrays.items():
-        if a.shape[:2] != tn or (key in ("reward", "done") and len(a.shape) != 2):
+        if a.shape[:2] != tn or (key in _PER_STEP and len(a.shape) != 2):
             raise SnapshotError(
                 f"{array_label(what, key)}.shape: expected (T, N) = {list(tn)} (the chunk's "
                 f"length and the worker's num_envs), got {list(a.shape)}"
@@ -338,14 +342,25 @@ def _check_chunk(
         raise SnapshotError(
             f"{what}.action.shape: expected (T, N) or (T, N, P), got {list(arrays['action'].shape)}"
         )
-    if arrays["done"].dtype != np.bool_:
-        raise SnapshotError(f"{what}.done.dtype: expected '|b1', got {arrays['done'].dtype.str!r}")
-    got = {k: (a.dtype, a.shape[2:]) for k, a in arrays.items() if k != "done"}
+    try:  # the contract's optional arrays, as a received chunk's are checked
+        check_contract_headers(arrays, list(tn))
+    except RequestError as exc:
+        raise SnapshotError(f"{what}: {exc}") from None
+    for key in ("done", "valid", *FLAGS):
+        if key in arrays and arrays[key].dtype != np.bool_:
+            raise SnapshotError(
+                f"{what}.{key}.dtype: expected '|b1', got {arrays[key].dtype.str!r}"
+            )
+    got = {k: (a.dtype, a.shape[2:]) for k, a in arrays.items() if in_schema(k)}
     if schema is None or got != schema:
         raise SnapshotError(
             f"{what}.arrays: expected dtypes and trailing shapes "
             f"{_describe(schema)} (state.schema), got {_describe(got)}"
         )
+
+
+# Arrays of one value per step (T, N).
+_PER_STEP = ("reward", "done", "valid", *FLAGS)
 
 
 def _describe(schema: Schema | None) -> str:

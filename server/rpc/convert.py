@@ -18,6 +18,7 @@ from recorder_client._proto import recorder_pb2 as pb
 from recorder_client.status import SessionStatus
 
 from ..chunks import (
+    FINAL,
     STATE,
     Chunk,
     EncodedArray,
@@ -134,12 +135,18 @@ def chunk_from_proto(msg: pb.Chunk, limits: ServiceLimits) -> Chunk:
     """A chunk with every header checked against the limits (sizes, env steps, frames)."""
     max_raw = _max_raw(limits)
     arrays: dict[str, EncodedArray] = {}
-    for name in ("action", "reward", "done", "outcome"):
+    for name in ("action", "reward", "done", "outcome", "terminated", "truncated", "valid"):
         if msg.HasField(name):
             arrays[name] = array_from_proto(getattr(msg, name), f"chunk.{name}", max_raw)
     for named in msg.states:
         key = STATE + named.name
         what = array_label("chunk", key)
+        if key in arrays:
+            raise invalid(f"{what}: field sent twice")
+        arrays[key] = array_from_proto(named.array, what, max_raw)
+    for named in msg.finals:
+        key = FINAL + named.name
+        what = f"chunk.finals[{_wire.shown(named.name)}]"
         if key in arrays:
             raise invalid(f"{what}: field sent twice")
         arrays[key] = array_from_proto(named.array, what, max_raw)
@@ -250,21 +257,25 @@ def finish_header(plan: Assembly, worker_ids: list[str], corrupt: list[str]) -> 
     )
     if plan.partial.any():  # none sent when every episode is whole
         header.partial.extend(plan.partial.tolist())
+    header.terminated.extend(plan.terminated.tolist())
+    header.truncated.extend(plan.truncated.tolist())
     for spec in plan.fields:
         shape = (plan.num_episodes, plan.max_length, *spec.trailing)
         header.fields.append(pb.FieldSpec(name=spec.name, dtype=spec.dtype.str, shape=shape))
+    for spec in plan.finals:
+        shape = (plan.num_episodes, *spec.trailing)
+        header.final_fields.append(pb.FieldSpec(name=spec.name, dtype=spec.dtype.str, shape=shape))
     return pb.FinishPart(header=header)
 
 
-def finish_part(field: int, row_start: int, row_count: int, flat: np.ndarray) -> pb.FinishPart:
-    return pb.FinishPart(
-        array=pb.ArrayPart(
-            field=field,
-            row_start=row_start,
-            row_count=row_count,
-            array=_messages.array_to_proto(flat),
-        )
+def finish_part(
+    field: int, row_start: int, row_count: int, flat: np.ndarray, final: bool = False
+) -> pb.FinishPart:
+    """An ArrayPart of a field's real steps, or (``final``) of a final-state field's rows."""
+    part = pb.ArrayPart(
+        field=field, row_start=row_start, row_count=row_count, array=_messages.array_to_proto(flat)
     )
+    return pb.FinishPart(final=part) if final else pb.FinishPart(array=part)
 
 
 def chunk_frames(worker: int, chunk: StoredChunk, keys: list[str]) -> pb.FinishPart:

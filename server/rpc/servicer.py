@@ -44,8 +44,9 @@ _WARM_UP_S = 30.0
 _PARTS_PER_HOP = 64
 _RAW_PER_HOP = 1 << 20
 
-# A gathered part: (field index, first row, row count, real steps), not yet encoded.
-_Gathered = tuple[int, int, int, Any]
+# A gathered part: (field index, first row, row count, real steps, whether the index is a
+# final-state field's), not yet encoded.
+_Gathered = tuple[int, int, int, Any, bool]
 
 
 def _take_parts(
@@ -228,15 +229,19 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         # The client that asks gathers the result from the stored chunks itself: no decode,
         # gather and re-compress here (most of the server's CPU for a finish()).
         frames = plan.chunk_frames() if request.chunk_frames else None
+        part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
         if frames is not None:
             keys = [spec.key for spec in plan.fields]
             for position, chunk in frames:
                 yield convert.chunk_frames(position, chunk, keys)
-            return
-        part_bytes = request.max_part_bytes or DEFAULT_PART_BYTES
-        for index, spec in enumerate(plan.fields):
-            for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
-                yield index, row_start, row_count, flat
+        else:
+            for index, spec in enumerate(plan.fields):
+                for row_start, row_count, flat in plan.field_parts(spec, part_bytes):
+                    yield index, row_start, row_count, flat, False
+        # Final states are gathered here whichever form the steps took (one row an episode).
+        for index, spec in enumerate(plan.finals):
+            for row_start, row_count, rows in plan.final_parts(spec, part_bytes):
+                yield index, row_start, row_count, rows, True
 
     async def Finish(self, request: pb.FinishRequest, context) -> AsyncIterator[pb.FinishPart]:
         # Two stages on the control pool: the next batch is gathered (decode, one fancy
