@@ -8,14 +8,14 @@ and a restored checkpoint give them back as they were. finish() and the dataset 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from .chunks import FINAL
 
-if TYPE_CHECKING:
-    from .episodes import StoredChunk
+# `episodes.StoredChunk` (episodes imports this module): t0 and arrays are what is read.
+StoredChunk = Any
 
 
 def _by_chunk(

@@ -48,6 +48,7 @@ EXPECTED = {
     "list_sessions",
     "open_dataset",
     "read_episodes",
+    "unflatten",
 }
 
 
