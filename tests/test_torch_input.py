@@ -168,8 +168,8 @@ def test_host_copy_waits_for_its_copy_before_the_first_read():
 def test_the_client_imports_torch_only_when_the_caller_did():
     code = (
         "import sys, numpy as np, recorder_client\n"
-        "from recorder_client import recorder\n"
-        "recorder._take(np.zeros(2), 'x'); recorder._take([1, 2], 'x')\n"
+        "from recorder_client import _chunk\n"
+        "_chunk.take(np.zeros(2), 'x'); _chunk.take([1, 2], 'x')\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
