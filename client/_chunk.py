@@ -114,15 +114,15 @@ def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
                 "observation each action was taken from), got final_obs alone"
             )
         return
+    for key in arrays:
+        if key == "state:obs" or key.startswith("state:obs."):
+            raise InvalidChunkError(
+                f"env_states.{key[6:]}: expected observations once, in trajectories.obs, got "
+                f"the state field {key[6:]!r} as well"
+            )
     names = []
     for name, value in flatten(obs, "obs", "trajectories.obs"):
-        key = f"state:{name}"
-        if key in arrays:
-            raise InvalidChunkError(
-                f"env_states.{name}: expected observations once, in trajectories.obs, got the "
-                f"state field {name!r} as well"
-            )
-        arrays[key] = take(value, f"trajectories.{name}")
+        arrays[f"state:{name}"] = take(value, f"trajectories.{name}")
         names.append(name)
     if final is not None:
         finals = flatten(final, "obs", "trajectories.final_obs")

@@ -247,6 +247,15 @@ class RolloutRecorder:
     def record(self, trajectories: Any, env_states: Any = None, *, outcome: Any = None) -> bool:
         """Queue one (T, N) chunk and return; compression and I/O happen in the background.
 
+        `trajectories` (mapping keys or attributes; numpy arrays, torch tensors or JAX
+        arrays) holds `action` (T, N, ...), `reward` (T, N) and either `done` (T, N) or
+        `terminated` and `truncated` (T, N) bool each (done is their OR; given all three,
+        they must agree). Optional: `valid` (T, N) bool (False: a row of no episode, only
+        where the env's open episode has no step yet, with no flag), `obs` (an array
+        (T, N, ...) or a nested dict / tuple of them: recorded as the state fields `obs`,
+        `obs.<key>`, `obs.<i>`) and `final_obs` (the same structure: the observation after
+        each step, read where an episode ends). docs/concepts.md states the contract.
+
         `outcome` (or an `outcome` field of `trajectories`) gives optional per-step
         outcome codes (T, N): 0 unknown, 1 win, 2 loss, 3 draw, 4 incomplete; an
         episode's outcome is its last non-zero code.
