@@ -301,8 +301,9 @@ class DashboardServer(RecorderServer):
 class RawGrpcServer(Child):
     """bench/raw_server.py: a generic gRPC stream that counts bytes and acks."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, *, aio: bool = False) -> None:
         argv = [sys.executable, str(BENCH_DIR / "raw_server.py"), "127.0.0.1:0"]
+        argv += ["--aio"] if aio else []
         super().__init__(argv, log_path=log_path)
         line = self.read_line(60, prefix="raw-grpc listening on ")
         self.address = line.rsplit(" ", 1)[1].strip()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from baselines import raw_scenario, ray_scenario
 from finish import rows_finish, run_finish
-from fleet import fleet_scenario
+from fleet import fleet_scenario, steady_scenario
 from harness import PREVIOUS_CORE, Scenario
 from ingest import ingest_scenario, rows_idle_streams, rows_previous_core
 from jax_rollout import rows_latency_jax, run_latency_jax
@@ -56,7 +56,6 @@ SCENARIOS: list[Scenario] = [
         num_envs=16,
         chunks=10,
         window=2,
-        compare_to="ingest_4w",
     ),
     # Reverb fed the same chunks as items: right after ingest_256w, and in the rounds of
     # ingest_4w (bench/vs_reverb.py; skipped without bench/.venv-reverb).
@@ -69,6 +68,16 @@ SCENARIOS: list[Scenario] = [
         window=2,
         compare_to="ingest_256w",
         repeated=False,
+    ),
+    steady_scenario(
+        "fleet_steady",
+        fleets=(256, 512, 1024),
+        processes=8,
+        length=32,
+        num_envs=4,
+        period_s=1.0,
+        seconds=8,
+        bound_ms=50,
     ),
     raw_scenario("raw_grpc_1w", workers=1),
     raw_scenario("raw_grpc_4w", workers=4),

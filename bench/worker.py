@@ -11,6 +11,7 @@ Modes:
   idle    `count` recorders with open streams and no data, until a line on stdin
   fleet   `recorders` RolloutRecorders driven round-robin by one thread, each keeping at most
           `window` chunks unacknowledged; reports every chunk's ack latency
+  raw_fleet, steady   many small actors (fleet_worker.py)
 
 Protocol on stdout, one JSON object a line: {"event": "ready"} once the pool is
 generated and the connection is up, then (after a line on stdin)
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from chunks import STATE_FIELDS, make_pool, store_configuration, timed_records
+from fleet_worker import run_raw_fleet, run_steady
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -372,6 +374,8 @@ def run_fleet(spec: dict[str, Any], pool: list) -> dict[str, Any]:
 
 
 MODES = {
+    "raw_fleet": lambda spec, pool: run_raw_fleet(spec, pool, emit, wait_for_go),
+    "steady": lambda spec, pool: run_steady(spec, pool, emit, wait_for_go),
     "remote": run_remote,
     "ray": run_ray,
     "raw": run_raw,
