@@ -33,6 +33,18 @@ def _acks(results: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+class CpuAtGo:
+    """The server's CPU seconds when every worker is ready (joined, streams open): each
+    side's CPU per chunk counts the chunks' own work, not the joins before them."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.value = 0.0
+
+    def mark(self, _workers: Any) -> None:
+        self.value = self.server.cpu_s()
+
+
 def _measured(ctx, results, go_ns, machine, server, cpu0, num_envs) -> dict[str, Any]:
     out = aggregate(ctx, results, go_ns, machine, num_envs=num_envs)
     out["server_cpu_s"] = server.cpu_s() - cpu0
@@ -66,7 +78,6 @@ def fleet_scenario(
         server = ctx.server(tag)
         try:
             idle = server.status()
-            cpu0 = server.cpu_s()
             specs = ingest_specs(
                 ctx,
                 "fleet",
@@ -78,8 +89,9 @@ def fleet_scenario(
                 pool=n,
                 num_envs=num_envs,
             )
-            results, go_ns, machine = run_workers(specs, ctx.tmp / tag)
-            out = _measured(ctx, results, go_ns, machine, server, cpu0, num_envs)
+            cpu0 = CpuAtGo(server)
+            results, go_ns, machine = run_workers(specs, ctx.tmp / tag, on_ready=cpu0.mark)
+            out = _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
             out["server_idle_vm"] = idle
             out["status"] = session_status(server.address, "ingest")
         finally:
@@ -91,7 +103,6 @@ def fleet_scenario(
         d.mkdir(parents=True, exist_ok=True)
         server = RawGrpcServer(d / "server.log", aio=True)
         try:
-            cpu0 = server.cpu_s()
             specs = ingest_specs(
                 ctx,
                 "raw_fleet",
@@ -103,8 +114,9 @@ def fleet_scenario(
                 pool=n,
                 num_envs=num_envs,
             )
-            results, go_ns, machine = run_workers(specs, d)
-            return _measured(ctx, results, go_ns, machine, server, cpu0, num_envs)
+            cpu0 = CpuAtGo(server)
+            results, go_ns, machine = run_workers(specs, d, on_ready=cpu0.mark)
+            return _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
         finally:
             server.stop()
 
@@ -197,7 +209,6 @@ def steady_scenario(
     def one(ctx: Context, tag: str, workers: int, seconds: float) -> dict[str, Any]:
         server = ctx.server(tag)
         try:
-            cpu0 = server.cpu_s()
             specs = [
                 {
                     **spec,
@@ -219,8 +230,9 @@ def steady_scenario(
                     )
                 )
             ]
-            results, go_ns, machine = run_workers(specs, ctx.tmp / tag)
-            out = _measured(ctx, results, go_ns, machine, server, cpu0, num_envs)
+            cpu0 = CpuAtGo(server)
+            results, go_ns, machine = run_workers(specs, ctx.tmp / tag, on_ready=cpu0.mark)
+            out = _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
         finally:
             server.stop()
         out["workers"] = workers
