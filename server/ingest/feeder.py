@@ -14,6 +14,7 @@ import bisect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,9 @@ from .buffers import BufferPool
 from .held import HeldChunks, HeldEpisode, Part
 from .tails import EpisodeSums, Finished, cumsum
 from .window import Ring
+
+# How long the thread waits, once woken, for more chunks to batch with (acks do not wait).
+_LINGER_S = 0.002
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +128,8 @@ class EpisodeFeeder:
         self.metrics = metrics
         self.max_tail_bytes = max_tail_bytes
         self.store = processor.store
-        # With a store, up to this many queued chunks are recorded in one store call.
-        self.max_batch = max_batch if self.store is not None else 1
+        # Up to this many queued chunks are taken at once (with a store: in one store call).
+        self.max_batch = max_batch
         self._queue: queue.Queue[ChunkEpisodes | None] = queue.Queue(maxsize=queue_chunks)
         self._workers: dict[int, _Worker] = {}
         self._ring = Ring()
@@ -251,7 +255,11 @@ class EpisodeFeeder:
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
-            # With a store, a backlog is recorded in one store call.
+            if items[0] is not None and self._queue.empty():
+                # Woken by one chunk: the ones arriving meanwhile come in the same batch,
+                # so that many small chunks cost one wake-up of this thread, not one each.
+                time.sleep(_LINGER_S)
+            # A backlog is taken at once (with a store: recorded in one store call).
             while items[-1] is not None and len(items) < self.max_batch:
                 try:
                     items.append(self._queue.get_nowait())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Protocol
@@ -37,8 +38,12 @@ class Verifiable(Protocol):
 class BackgroundVerifier:
     """One daemon thread at nice 19, taking sessions with pending chunks in turn."""
 
-    def __init__(self, batch: int = 4) -> None:
+    def __init__(self, batch: int = 32, linger_s: float = 0.02) -> None:
         self._batch = batch
+        # Once woken, the thread waits this long for more chunks to prove with them: small
+        # chunks arriving one at a time then cost a wake-up per batch, not one each (no ack
+        # waits for a proof; a reader proves what it reads itself).
+        self._linger_s = linger_s
         self._cond = threading.Condition()
         self._queue: deque[weakref.ref] = deque()
         self._queued: weakref.WeakSet = weakref.WeakSet()
@@ -66,8 +71,12 @@ class BackgroundVerifier:
             pass
         while True:
             with self._cond:
+                woken = not self._queue
                 while not self._queue:
                     self._cond.wait()
+            if woken:
+                time.sleep(self._linger_s)
+            with self._cond:  # only this thread takes from the queue
                 ref = self._queue.popleft()
             session = ref()
             if session is None:

@@ -197,7 +197,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                         context, invalid("Record: expected a chunk, got `open` again")
                     )
                 try:
-                    reply = await self.ingest.run(
+                    reply = await self.ingest.run_batched(
                         self._apply, session, worker_id, epoch, request.chunk
                     )
                 except Exception as exc:
