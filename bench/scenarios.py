@@ -76,7 +76,7 @@ SCENARIOS: list[Scenario] = [
         length=32,
         num_envs=4,
         period_s=1.0,
-        seconds=8,
+        seconds=6,
         bound_ms=50,
     ),
     raw_scenario("raw_grpc_1w", workers=1),
