@@ -240,6 +240,8 @@ def steady_scenario(
         # Fewer than planned: the workers fell behind and stopped at twice the planned time.
         out["chunks_planned"] = sum(r["chunks_planned"] for r in results)
         out["server_cores"] = out["server_cpu_s"] / out["wall_s"]
+        # On a small machine the fleet's own processes are the first limit.
+        out["client_cores"] = out["client_cpu_s"] / out["wall_s"]
         out["record_late_p99_ms"] = max(r["late_p99_ms"] for r in results)
         return out
 
@@ -269,7 +271,8 @@ def steady_scenario(
                     f"T={length}, N={num_envs} chunk every {period_s:g} s for {seconds:g} s: "
                     f"ack latency p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, max "
                     f"{a['max_ms']:.0f} ms (n={a['n']} of {f['chunks_planned']} planned); "
-                    f"{f['chunks_s']:.0f} chunks/s; largest "
+                    f"{f['chunks_s']:.0f} chunks/s; the workers' processes used "
+                    f"{f['client_cores']:.2f} CPU-s/s; largest "
                     f"fleet with p99 <= {bound_ms:g} ms: {r['largest_within_bound']}",
                     f["server_cores"],
                     1.0,
