@@ -163,8 +163,17 @@ def check_flags(arrays: dict[str, Any], open_empty: np.ndarray | None) -> np.nda
     where the env's open episode has no step yet (``open_empty``: (N,) before this chunk,
     None when not known) and carries no flag. Returns ``open_empty`` after the chunk."""
     done = arrays["done"]
-    names = ("done", "terminated", "truncated", "valid")
-    if not all(isinstance(arrays.get(k), (np.ndarray, type(None))) for k in names):
+    masks = [arrays[k] for k in ("terminated", "truncated", "valid") if k in arrays]
+    # Shapes and dtypes are check_layout's to refuse (called after this, before the chunk
+    # fixes the worker's layout): their values are read only when they are right.
+    if (
+        not isinstance(done, np.ndarray)
+        or done.ndim != 2
+        or not all(
+            isinstance(m, np.ndarray) and m.shape == done.shape and m.dtype == np.bool_
+            for m in masks
+        )
+    ):
         return None
     if done.dtype != np.bool_:
         done = done.astype(bool)

@@ -305,11 +305,11 @@ class RolloutRecorder:
                     )
         # The contract's flags, valid mask and observations (done from the flags' OR).
         _chunk.add_contract(arrays, trajectories, get)
-        raw, schema = self._validate(arrays)
         if "valid" in arrays or "terminated" in arrays:
             open_empty = _checks.check_flags(arrays, self._open_empty)
         else:
             open_empty = None
+        raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1
             done = arrays["done"]
