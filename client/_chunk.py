@@ -65,6 +65,27 @@ def _on_cpu(value: Any) -> bool:
     return on_cpu
 
 
+_PLAIN = frozenset({"action", "reward", "done", "outcome"})
+_CONTRACT = frozenset({"terminated", "truncated", "valid", "obs", "final_obs"})
+# Per class with declared fields (a NamedTuple, a dataclass): whether none is the contract's.
+_CLASSES: dict[type, bool] = {}
+
+
+def _without_contract(trajectories: Any) -> bool:
+    """Whether ``trajectories`` surely holds none of the contract's optional names, answered
+    from a dict's keys or a class's declared fields (False when unsure)."""
+    kind = type(trajectories)
+    if kind is dict:
+        return trajectories.keys() <= _PLAIN
+    known = _CLASSES.get(kind)
+    if known is None:
+        fields = getattr(kind, "_fields", None) or getattr(kind, "__dataclass_fields__", None)
+        if fields is None or len(_CLASSES) >= 64:
+            return False
+        known = _CLASSES[kind] = not (set(fields) & _CONTRACT)
+    return known
+
+
 def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
     """Add the contract's optional arrays of ``trajectories`` to ``arrays`` (which holds
     action, reward, done when given, outcome and env state fields): terminated and
@@ -72,6 +93,8 @@ def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
     and the final observation's. ``get``: the mapping's get, or None to read attributes.
     InvalidChunkError names a field that is missing or given in a way the contract does
     not allow; shapes and values are checked later."""
+    if _without_contract(trajectories):
+        return  # the factoriax call: nothing more to read (record()'s p99 counts each read)
     if get is None:
         get = lambda name: getattr(trajectories, name, None)  # noqa: E731
     terminated, truncated = get("terminated"), get("truncated")
