@@ -3,8 +3,9 @@
 A scenario takes a `Context` and returns a JSON-able dict of measurements; its
 `rows` function turns the results of the whole run into table rows (so a row
 can compare against another scenario). Each family lives in its own module
-(`latency`, `jax_rollout`, `finish`, `server_cpu`, `ingest`, `side_by_side`,
-`fleet`, `baselines`, `vs_reverb`) over the shared `harness`. New rows are a few lines: for example,
+(`latency`, `jax_rollout`, `torch_sb3`, `finish`, `server_cpu`, `ingest`, `side_by_side`,
+`fleet`, `baselines`, `vs_reverb`) over the shared `harness`. New rows are a few lines: for
+example,
 
     SCENARIOS.append(ingest_scenario(
         "ingest_4w_no_wal", workers=4, serve_args=("--no-wal",), compare_to="ingest_4w"))
@@ -25,6 +26,7 @@ from jax_rollout import rows_latency_jax, run_latency_jax
 from latency import rows_latency, run_latency
 from server_cpu import rows_server_cpu, run_server_cpu
 from side_by_side import side_by_side_scenario
+from torch_sb3 import rows_latency_torch, rows_sb3_ppo, run_latency_torch, run_sb3_ppo
 from vs_reverb import reverb_scenario
 
 # -- the registry ---------------------------------------------------------------
@@ -38,6 +40,18 @@ SCENARIOS: list[Scenario] = [
         run_latency_jax,
         rows_latency_jax,
         description="record() caller latency with jax.Array input from a jax.jit rollout (CPU)",
+    ),
+    Scenario(
+        "latency_torch",
+        run_latency_torch,
+        rows_latency_torch,
+        description="record() caller latency with torch CPU tensors, in turns with numpy",
+    ),
+    Scenario(
+        "sb3_ppo",
+        run_sb3_ppo,
+        rows_sb3_ppo,
+        description="SB3 PPO training steps/s with RecorderCallback vs without, in turns",
     ),
     Scenario("finish", run_finish, rows_finish, description="finish() on >= 20k episodes"),
     Scenario(
