@@ -1,0 +1,178 @@
+"""Stable-Baselines3: RecorderCallback records what an algorithm collects from its VecEnv.
+
+    from recorder_client.sb3 import RecorderCallback
+    model.learn(100_000, callback=RecorderCallback(recorder))
+
+On-policy (PPO, A2C) and off-policy (DQN, SAC, TD3) collection alike: each step of the
+training VecEnv is a row of ``(T, N)`` arrays recorded per the producer contract:
+
+- ``obs``: the observation the action was taken from (the algorithm's ``_last_obs``; a Dict
+  observation gives ``obs.<key>``);
+- ``action``: what the VecEnv was given (on-policy: after clipping to a Box's bounds);
+- ``reward``: the VecEnv's reward, before the value bootstrap PPO adds to truncated steps;
+- ``terminated`` / ``truncated``: from ``dones`` and the ``TimeLimit.truncated`` info SB3's
+  VecEnvs set (True when the time limit cut an episode that did not also terminate: a step
+  Gymnasium reports as both is recorded as terminated, which is all SB3 says of it);
+- ``final_obs``: the ``terminal_observation`` info of each done step.
+
+SB3's VecEnvs reset a finished env within the same step (the done step returns the next
+episode's first observation, the last one is in the info), so every row belongs to an episode
+and no ``valid`` mask is needed. The values are the training VecEnv's: under VecNormalize,
+normalized observations and rewards.
+
+Steps are buffered ``chunk_steps`` at a time; the rest is recorded, and acknowledged, when
+training ends. Open episodes stay open across ``learn()`` calls that continue them
+(``reset_num_timesteps=False``); a ``learn()`` that resets the env while this callback holds
+open episodes raises, since their steps and the new episodes' would be joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+try:
+    from stable_baselines3.common.callbacks import BaseCallback
+except ImportError as exc:  # the client alone does not need SB3
+    raise ImportError(
+        f"recorder_client.sb3 needs stable-baselines3: pip install 'rollout-recorder[sb3]' ({exc})"
+    ) from exc
+
+from .errors import RecorderError
+from .recorder import RolloutRecorder
+
+
+def _rows(value: Any, steps: int) -> Any:
+    """Zeroed (steps, N, ...) buffers shaped like one step's (N, ...) value (a dict: per key)."""
+    if isinstance(value, Mapping):
+        return {key: _rows(item, steps) for key, item in value.items()}
+    value = np.asarray(value)
+    return np.zeros((steps, *value.shape), dtype=value.dtype)
+
+
+def _put(buffer: Any, row: Any, value: Any) -> None:
+    """Write ``value`` at ``buffer[row]`` (``row`` may be a (t, env) pair), key by key."""
+    if isinstance(buffer, dict):
+        if not isinstance(value, Mapping) or value.keys() != buffer.keys():
+            got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise RecorderError(
+                f"RecorderCallback: obs: expected the keys {sorted(buffer)} of the first step, "
+                f"got {got}"
+            )
+        for key, item in buffer.items():
+            _put(item, row, value[key])
+        return
+    buffer[row] = value
+
+
+def _head(buffer: Any, steps: int) -> Any:
+    if isinstance(buffer, dict):
+        return {key: _head(item, steps) for key, item in buffer.items()}
+    return buffer[:steps]
+
+
+class RecorderCallback(BaseCallback):
+    """Records every step an SB3 algorithm collects into ``recorder`` (or, without one, into
+    a ``RolloutRecorder(**recorder_kwargs)`` this callback makes: ``callback.recorder``).
+
+    ``chunk_steps``: VecEnv steps per ``record()`` call.
+    """
+
+    def __init__(
+        self,
+        recorder: RolloutRecorder | None = None,
+        *,
+        chunk_steps: int = 128,
+        verbose: int = 0,
+        **recorder_kwargs: Any,
+    ) -> None:
+        super().__init__(verbose)
+        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+            raise ValueError(f"chunk_steps: expected a positive integer, got {chunk_steps!r}")
+        if recorder is not None and recorder_kwargs:
+            raise ValueError(
+                f"recorder_kwargs: expected none with a recorder given, got {sorted(recorder_kwargs)}"
+            )
+        self._owned = recorder is None
+        self.recorder = recorder if recorder is not None else RolloutRecorder(**recorder_kwargs)
+        self.chunk_steps = chunk_steps
+        self._buffers: dict[str, Any] | None = None
+        self._row = 0
+        # What the env holds after the last recorded step, to tell a continued run from a
+        # reset one; and which envs have an episode open.
+        self._last_new_obs: Any = None
+        self._last_dones: Any = None
+
+    def _on_training_start(self) -> None:
+        if self._last_dones is None:
+            return
+        open_envs = ~np.asarray(self._last_dones, dtype=bool)
+        if open_envs.any() and self.model._last_obs is not self._last_new_obs:
+            envs = np.flatnonzero(open_envs).tolist()
+            raise RecorderError(
+                "RecorderCallback: learn() reset the env while episodes recorded by this "
+                f"callback were open (envs {envs}); their steps would be joined to the new "
+                "episodes. Continue them with learn(..., reset_num_timesteps=False), or record "
+                "the new run with a new recorder (another worker_id)."
+            )
+
+    def _allocate(self, obs: Any, action: np.ndarray, reward: np.ndarray) -> dict[str, Any]:
+        steps = self.chunk_steps
+        n = reward.shape[0]
+        return {
+            "obs": _rows(obs, steps),
+            "action": _rows(action, steps),
+            "reward": _rows(reward, steps),
+            "terminated": np.zeros((steps, n), dtype=bool),
+            "truncated": np.zeros((steps, n), dtype=bool),
+            "final_obs": _rows(obs, steps),
+        }
+
+    def _on_step(self) -> bool:
+        local = self.locals
+        # On-policy algorithms step the env with the clipped actions; off-policy ones with
+        # `actions` (already unscaled to the action space).
+        action = local.get("clipped_actions")
+        if action is None:
+            action = local["actions"]
+        obs, dones, infos = self.model._last_obs, local["dones"], local["infos"]
+        reward = np.asarray(local["rewards"])
+        if self._buffers is None:
+            self._buffers = self._allocate(obs, np.asarray(action), reward)
+        buffers, row = self._buffers, self._row
+        _put(buffers["obs"], row, obs)
+        buffers["action"][row] = action
+        buffers["reward"][row] = reward  # a copy: PPO adds its bootstrap to `rewards` later
+        # Rows start all False: only the envs a step ended are written.
+        terminated, truncated = buffers["terminated"][row], buffers["truncated"][row]
+        for env in np.flatnonzero(dones):
+            info = infos[env]
+            cut = bool(info.get("TimeLimit.truncated", False))
+            truncated[env], terminated[env] = cut, not cut
+            final = info.get("terminal_observation")
+            if final is not None:
+                _put(buffers["final_obs"], (row, env), final)
+        self._last_dones = dones
+        self._last_new_obs = local.get("new_obs")
+        self._row = row + 1
+        if self._row == self.chunk_steps:
+            self._record(self._row)
+        return True
+
+    def _record(self, steps: int) -> None:
+        buffers = self._buffers
+        # record() keeps references: the next rows go to fresh buffers.
+        self._buffers, self._row = None, 0
+        if buffers is not None and steps:
+            self.recorder.record({name: _head(value, steps) for name, value in buffers.items()})
+
+    def _on_training_end(self) -> None:
+        self._record(self._row)
+        self.recorder.flush()
+
+    def close(self) -> None:
+        """Close the recorder this callback made (one given to it is the caller's to close)."""
+        if self._owned:
+            self.recorder.close()

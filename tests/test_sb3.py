@@ -1,0 +1,179 @@
+"""RecorderCallback under SB3's own autoreset: the episodes finish() returns equal, step for
+step, what each environment really returned to SB3's DummyVecEnv.
+
+The truth is logged by a wrapper installed on each env (outside its TimeLimit, so it sees
+what the VecEnv sees): the observation each action was taken from, the action, the reward,
+both flags and the observation after the step, split into episodes where a flag is set. SB3
+reports a step that is both terminated and truncated as terminated (its TimeLimit.truncated
+info is ``truncated and not terminated``): the truth says so too, and counts such steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recorder_client import RecorderError, RolloutRecorder
+
+gym = pytest.importorskip("gymnasium")
+sb3 = pytest.importorskip("stable_baselines3")
+from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
+
+from recorder_client.sb3 import RecorderCallback  # noqa: E402
+
+# Time limits under CartPole's early episode lengths: both flags occur.
+PPO_STEPS, DQN_STEPS = 25, 12
+
+
+class StepLog(gym.Wrapper):
+    """Logs every step the env really took: (obs before, action, reward, terminated,
+    truncated, obs after)."""
+
+    def __init__(self, env, log: list) -> None:
+        super().__init__(env)
+        self.log = log
+        self.obs = None
+
+    def reset(self, **kwargs):
+        self.obs, info = self.env.reset(**kwargs)
+        return self.obs, info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.log.append((self.obs, np.asarray(action).copy(), reward, terminated, truncated, obs))
+        self.obs = obs
+        return obs, reward, terminated, truncated, info
+
+
+def dict_cartpole(max_steps: int) -> gym.Env:
+    """CartPole whose observation is a Dict: {"cart": position and velocity, "pole": angle
+    and angular velocity}."""
+    env = gym.make("CartPole-v1", max_episode_steps=max_steps)
+    box = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    space = gym.spaces.Dict({"cart": box, "pole": box})
+    return gym.wrappers.TransformObservation(env, lambda o: {"cart": o[:2], "pole": o[2:]}, space)
+
+
+def logged_envs(n: int, max_steps: int, dict_obs: bool = False) -> tuple[DummyVecEnv, list[list]]:
+    logs: list[list] = [[] for _ in range(n)]
+
+    def make(i: int):
+        if dict_obs:
+            return lambda: StepLog(dict_cartpole(max_steps), logs[i])
+        return lambda: StepLog(gym.make("CartPole-v1", max_episode_steps=max_steps), logs[i])
+
+    return DummyVecEnv([make(i) for i in range(n)]), logs
+
+
+def fields(obs) -> dict[str, np.ndarray]:
+    """An observation under the recorder's field names: obs, or obs.<key> for a Dict."""
+    if isinstance(obs, dict):
+        return {f"obs.{key}": np.asarray(value) for key, value in obs.items()}
+    return {"obs": np.asarray(obs)}
+
+
+def truth_episodes(log: list) -> list[dict]:
+    """One env's log cut into episodes where a flag ends one; the last may be unfinished."""
+    episodes, current = [], []
+    for step in log:
+        current.append(step)
+        if step[3] or step[4]:
+            episodes.append(current)
+            current = []
+    if current:
+        episodes.append(current)
+    out = []
+    for steps in episodes:
+        obs, action, reward, terminated, truncated, after = zip(*steps)
+        ended = terminated[-1] or truncated[-1]
+        final = fields(after[-1])
+        out.append(
+            {
+                "obs": {k: np.stack([fields(o)[k] for o in obs]) for k in final},
+                "action": np.stack(action),
+                "reward": np.asarray(reward, dtype=np.float64),
+                "terminated": bool(terminated[-1]),
+                "truncated": bool(truncated[-1] and not terminated[-1]),
+                "final": final if ended else {k: np.zeros_like(v) for k, v in final.items()},
+            }
+        )
+    return out
+
+
+def compare(traj, logs: list[list]) -> dict[str, int]:
+    """Mismatches per quantity between finish() and the logs, and the episode counts."""
+    counts = {"episodes": 0, "terminated": 0, "truncated": 0, "tails": 0, "both_flags": 0}
+    mismatches = dict.fromkeys(("count", "obs", "action", "reward", "flags", "final"), 0)
+    for env, log in enumerate(logs):
+        counts["both_flags"] += sum(1 for s in log if s[3] and s[4])
+        truth = truth_episodes(log)
+        ours = np.flatnonzero(traj.episode_env == env)
+        ours = ours[np.argsort(traj.episode_start[ours], kind="stable")]
+        mismatches["count"] += len(ours) != len(truth)
+        for b, want in zip(ours, truth):
+            n = int(traj.lengths[b])
+            counts["episodes"] += 1
+            counts["terminated"] += want["terminated"]
+            counts["truncated"] += want["truncated"]
+            counts["tails"] += not (want["terminated"] or want["truncated"])
+            mismatches["obs"] += any(
+                not np.array_equal(traj.states[k][b, :n], v) for k, v in want["obs"].items()
+            )
+            mismatches["action"] += not np.array_equal(traj.actions[b, :n], want["action"])
+            mismatches["reward"] += not np.array_equal(traj.rewards[b, :n], want["reward"])
+            mismatches["flags"] += (
+                bool(traj.episode_terminated[b]) != want["terminated"]
+                or bool(traj.episode_truncated[b]) != want["truncated"]
+            )
+            mismatches["final"] += any(
+                not np.array_equal(traj.final_states[k][b], v) for k, v in want["final"].items()
+            )
+    print(f"episodes {counts}, mismatches {mismatches}")
+    return {**counts, "mismatches": sum(mismatches.values())}
+
+
+@pytest.mark.parametrize("dict_obs", [False, True], ids=["box", "dict"])
+def test_ppo_rollouts_are_recorded_exactly(target, dict_obs):
+    envs, logs = logged_envs(8, PPO_STEPS, dict_obs)
+    with RolloutRecorder(target=target, session="ppo") as recorder:
+        callback = RecorderCallback(recorder, chunk_steps=50)  # chunks cut across rollouts
+        policy = "MultiInputPolicy" if dict_obs else "MlpPolicy"
+        model = sb3.PPO(policy, envs, n_steps=32, batch_size=128, n_epochs=1, seed=0)
+        model.learn(768, callback=callback)
+        # A second learn() that continues the open episodes.
+        model.learn(256, callback=callback, reset_num_timesteps=False)
+        traj = recorder.finish()
+    assert sum(len(log) for log in logs) == int(traj.lengths.sum()) == 1024
+    assert set(traj.states) == ({"obs.cart", "obs.pole"} if dict_obs else {"obs"})
+    result = compare(traj, logs)
+    assert result["terminated"] > 10 and result["truncated"] > 10 and result["tails"] > 0
+    assert result["mismatches"] == 0
+
+
+def test_dqn_collection_is_recorded_exactly(target):
+    envs, logs = logged_envs(4, DQN_STEPS)
+    with RolloutRecorder(target=target, session="dqn") as recorder:
+        model = sb3.DQN(
+            "MlpPolicy", envs, learning_starts=200, train_freq=4, buffer_size=4000, seed=0
+        )
+        model.learn(1200, callback=RecorderCallback(recorder, chunk_steps=64))
+        traj = recorder.finish()
+    assert sum(len(log) for log in logs) == int(traj.lengths.sum()) == 1200
+    result = compare(traj, logs)
+    assert result["terminated"] > 10 and result["truncated"] > 10 and result["tails"] > 0
+    assert result["mismatches"] == 0
+
+
+def test_a_learn_that_resets_open_episodes_is_refused(target):
+    envs, _ = logged_envs(2, PPO_STEPS)
+    with RolloutRecorder(target=target, session="reset") as recorder:
+        callback = RecorderCallback(recorder, chunk_steps=16)
+        model = sb3.PPO("MlpPolicy", envs, n_steps=16, batch_size=32, n_epochs=1, seed=0)
+        model.learn(32, callback=callback)
+        with pytest.raises(RecorderError, match=r"learn\(\) reset the env while episodes"):
+            model.learn(32, callback=callback)  # reset_num_timesteps=True resets the env
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"^chunk_steps: expected a positive integer, got 0"):
+        RecorderCallback(object(), chunk_steps=0)
