@@ -93,7 +93,7 @@ def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
     and the final observation's. ``get``: the mapping's get, or None to read attributes.
     InvalidChunkError names a field that is missing or given in a way the contract does
     not allow; shapes and values are checked later."""
-    if _without_contract(trajectories):
+    if "done" in arrays and _without_contract(trajectories):
         return  # the factoriax call: nothing more to read (record()'s p99 counts each read)
     if get is None:
         get = lambda name: getattr(trajectories, name, None)  # noqa: E731
