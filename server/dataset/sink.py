@@ -427,13 +427,18 @@ def _gather_steps(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Every step of the episodes (env, start, length), joined episode by episode, per field
     column, and their outcome codes. Chunks are decoded one at a time (one chunk per field
-    in memory beside the result, however long the episodes)."""
+    in memory beside the result, however long the episodes), each once."""
     total = int(lengths.sum())
-    t = np.arange(total) + np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+    t = np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
+    t += np.arange(total)
+    t0 = np.asarray([c.t0 for c in chunks], dtype=np.int64)
+    which = np.searchsorted(t0, t, side="right") - 1
+    t -= t0[which]  # the step's row in its chunk
     e = np.repeat(env, lengths)
-    order = np.argsort(t, kind="stable")
-    edges = [c.t0 for c in chunks] + [chunks[-1].t0 + chunks[-1].length]
-    bounds = np.searchsorted(t[order], edges)
+    # The steps grouped by chunk: a stable sort of small ints (radix), not of the times.
+    order = np.argsort(which.astype(np.min_scalar_type(len(chunks))), kind="stable")
+    bounds = np.searchsorted(which, np.arange(len(chunks) + 1), sorter=order)
+    del which
     out = {f.column: np.empty((total, *f.shape), dtype=f.dtype) for f in fields}
     codes = np.zeros(total, dtype=np.int64)
     scratch: dict[str, np.ndarray] = {}
@@ -441,18 +446,36 @@ def _gather_steps(
         rows = order[bounds[i] : bounds[i + 1]]
         if not rows.size:
             continue
-        ct, ce = t[rows] - chunk.t0, e[rows]
+        items = None
         for spec in fields:
             src = chunk.arrays[spec.key]
             buf = scratch.get(spec.key)
             if buf is None or buf.shape != src.shape:
                 buf = scratch[spec.key] = np.empty(src.shape, dtype=src.dtype)
             src.decode_into(buf, f"stored {spec.key}")
-            with np.errstate(over="ignore", invalid="ignore"):
-                out[spec.column][rows] = buf[ct, ce]
+            if items is None:  # the steps' flat items t * N + e, shared by every field
+                items = t[rows] * buf.shape[1] + e[rows]
+            _copy_steps(out[spec.column], rows, buf, items)
         if chunk.outcome is not None:
-            codes[rows] = chunk.outcome.decode()[ct, ce]
+            if items is None:
+                items = t[rows] * chunk.outcome.shape[1] + e[rows]
+            codes[rows] = chunk.outcome.decode().reshape(-1)[items]
     return out, codes
+
+
+def _copy_steps(dest: np.ndarray, rows: np.ndarray, src: np.ndarray, items: np.ndarray) -> None:
+    """dest[rows] = the steps at flat ``items`` of a (T, N, ...) array: each step one opaque
+    item (one memcpy), or through a cast when the dtypes differ (rewards -> float32)."""
+    step_bytes = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
+    if step_bytes == 0:
+        return
+    flat = src.reshape(src.shape[0] * src.shape[1], step_bytes // src.itemsize)
+    if dest.dtype != src.dtype:
+        with np.errstate(over="ignore", invalid="ignore"):
+            dest[rows] = flat[items].reshape(items.size, *dest.shape[1:])
+        return
+    item = np.dtype((np.void, step_bytes))
+    dest.reshape(dest.shape[0], -1).view(item)[rows, 0] = flat.view(item)[items, 0]
 
 
 def _last_nonzero(codes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
