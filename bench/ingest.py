@@ -157,6 +157,9 @@ def ingest_scenario(
                     episodes = out["status"]["episodes_finished"]
                     first_round["dataset"] = dataset_drain(metrics_port, episodes)
                     first_round["dataset"]["round"] = rep + 1
+                    # The peak through the writes of the whole backlog, against raw held.
+                    first_round["dataset"]["server_vm"] = server.status()
+                    first_round["dataset"]["raw_bytes"] = out["status"]["raw_bytes"]
                 out["dataset"] = dict(first_round["dataset"])
                 out["dataset"]["sustained_raw_mb_s"] = (
                     out["raw_bytes"] / MB / (out["wall_s"] + out["dataset"]["drain_s"])

@@ -339,14 +339,15 @@ class DatasetSink:
             layout.describe(self.fs, self.root, session.name, fields, config)
             self._described.add(session.name)
         table = layout.episode_table(episodes, fields, config)
-        data = layout.parquet_bytes(table)
+        episodes.values = {}  # the table holds the columns now
         name = layout.file_name(intent.node or self.node, intent.generation, intent.seq)
-        layout.put_whole(self.fs, f"{layout.session_dir(self.root, session.name)}/{name}", data)
+        path = f"{layout.session_dir(self.root, session.name)}/{name}"
+        size = layout.put_whole(self.fs, path, table)
         labels = {"session": session.name}
         self.metrics.inc("Recorder/dataset_files_written", 1, **labels)
         self.metrics.inc("Recorder/dataset_episodes_written", int(episodes.lengths.size), **labels)
         self.metrics.inc("Recorder/dataset_steps_written", episodes.num_steps, **labels)
-        self.metrics.inc("Recorder/dataset_bytes_written", len(data), **labels)
+        self.metrics.inc("Recorder/dataset_bytes_written", size, **labels)
 
     def _gather(self, session: Any, intent: Intent) -> tuple[layout.Episodes, list]:
         """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
