@@ -534,7 +534,7 @@ def test_a_long_episode_is_gathered_one_decoded_chunk_at_a_time():
     one decoded chunk, not the 100 chunks decoded at once."""
     from conftest import core_chunk
 
-    from recorder_server.dataset.sink import _gather_steps
+    from recorder_server.dataset.gather import gather_steps as _gather_steps
     from recorder_server.episodes import StoredChunk
 
     t_len, n, count = 64, 64, 100

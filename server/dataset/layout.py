@@ -156,8 +156,9 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
             columns["store_trajectory"] = per_step(store, np.int64)
             columns["partial"] = _partial_column(episodes.partial, count, lengths)
     # The columns built here never hold a null: declared so, Parquet stores no definition
-    # levels for them (cheaper to write; files of either kind read back alike).
-    required = {*columns} - {c for c, a in columns.items() if a.null_count}
+    # levels for them (cheaper to write; files of either kind read back alike). The same
+    # set for every row group of a file, whatever its values.
+    required = {*columns}
     meta = {
         "layout": layout.LAYOUT_VERSION,
         "session": episodes.session,
@@ -212,39 +213,86 @@ ROW_OVERHEAD = 32
 _INDEXED = ["generation", "worker_index", "env", "start", "step", "outcome", "store_trajectory"]
 
 
-# Arrow bytes per Parquet row group: the encoder holds one row group's levels and pages
-# while it writes, so this bounds its memory beside the table (rows: at least one).
-ROW_GROUP_BYTES = 16 << 20
+# Bytes of steps (as the file budget counts them) per Parquet row group: the sink gathers
+# and encodes a file one row group at a time, so its memory holds about two of them.
+ROW_GROUP_BYTES = 32 << 20
 
-
-def write_parquet(table: Any, where: Any) -> None:
-    """The table as one Parquet file at ``where`` (a local path or an Arrow output stream):
-    zstd level 1, row groups of about ROW_GROUP_BYTES of Arrow data."""
-    import pyarrow.parquet as pq
-
-    rows = max(1, ROW_GROUP_BYTES * table.num_rows // max(table.nbytes, 1))
-    pq.write_table(
-        table,
-        where,
-        # zstd 1 against none on a local disk: as fast to write (fewer bytes to move) and
-        # 10-30x smaller on the bench's workload; lz4 no faster.
-        compression="zstd",
-        compression_level=1,
-        row_group_size=rows,
-        # Dictionaries for the id strings only, statistics for the columns one filters on:
-        # both cost time on every value of the wide numeric columns and save nothing there.
-        use_dictionary=["episode_id", "node", "worker", "partial"],
-        write_statistics=[*_INDEXED, "episode_id", "node", "worker", "partial"],
-    )
+PARQUET_OPTIONS: dict[str, Any] = {
+    # zstd 1 against none on a local disk: as fast to write (fewer bytes to move) and 10-30x
+    # smaller on the bench's workload; lz4 10% faster, 2x larger.
+    "compression": "zstd",
+    "compression_level": 1,
+    # Dictionaries for the id strings only, statistics for the columns one filters on:
+    # both cost time on every value of the wide numeric columns and save nothing there.
+    "use_dictionary": ["episode_id", "node", "worker", "partial"],
+    "write_statistics": [*_INDEXED, "episode_id", "node", "worker", "partial"],
+}
 
 
 def parquet_bytes(table: Any) -> bytes:
-    """The table as the bytes of one Parquet file (`write_parquet`)."""
+    """The table as the bytes of one Parquet file (row groups of about ROW_GROUP_BYTES)."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     sink = pa.BufferOutputStream()
-    write_parquet(table, sink)
+    rows = max(1, ROW_GROUP_BYTES * table.num_rows // max(table.nbytes, 1))
+    pq.write_table(table, sink, row_group_size=rows, **PARQUET_OPTIONS)
     return sink.getvalue().to_pybytes()
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A complete local file under a hidden name, for `put_whole` to rename into place."""
+
+    path: str
+
+
+class EpisodeFile:
+    """One episode file written a row group at a time (`write`, one table each, from any one
+    thread at a time); `finish` gives what `put_whole` puts in place: on a local disk the
+    file staged under a hidden name (never a copy in memory), else its bytes."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        import pyarrow as pa
+
+        directory, name = path.rsplit("/", 1)
+        self.local = is_local(fs)
+        if self.local:
+            os.makedirs(directory, exist_ok=True)
+            # Hidden while partial: readers skip names starting with "."
+            self.where: Any = f"{directory}/.{name}.{uuid.uuid4().hex[:8]}.partial"
+        else:
+            self.where = pa.BufferOutputStream()
+        self._writer: Any = None
+
+    def write(self, table: Any) -> None:
+        import pyarrow.parquet as pq
+
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.where, table.schema, **PARQUET_OPTIONS)
+        self._writer.write_table(table, row_group_size=max(1, table.num_rows))
+
+    def finish(self) -> Staged | bytes:
+        if self._writer is None:
+            raise ValueError("an episode file needs at least one row group")
+        self._writer.close()
+        if not self.local:
+            return self.where.getvalue().to_pybytes()
+        fd = os.open(self.where, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return Staged(self.where)
+
+    def abort(self) -> None:
+        """Close and remove what is left (nothing once `put_whole` took it)."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+        if self.local:
+            with contextlib.suppress(OSError):
+                os.unlink(self.where)
 
 
 def is_local(fs: Any) -> bool:
@@ -253,46 +301,40 @@ def is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def put_whole(fs: Any, path: str, payload: Any) -> int:
-    """Write ``payload`` at ``path`` so that a reader sees all of it or nothing: bytes, or an
-    Arrow table as a Parquet file (encoded straight into the file on a local disk, no copy
-    of it in memory). Returns the bytes written."""
+def put_whole(fs: Any, path: str, payload: bytes | Staged) -> int:
+    """Put ``payload`` (bytes, or a local file `EpisodeFile` staged) at ``path`` so that a
+    reader sees all of it or nothing. Returns its size in bytes."""
     directory = path.rsplit("/", 1)[0]
+    if isinstance(payload, Staged):
+        os.replace(payload.path, path)
+        _fsync_dir(directory)
+        return os.path.getsize(path)
     if is_local(fs):
         os.makedirs(directory, exist_ok=True)
         # Hidden while partial: readers skip names starting with "."
         temp = f"{directory}/.{path.rsplit('/', 1)[1]}.{uuid.uuid4().hex[:8]}.partial"
-        try:
-            if isinstance(payload, bytes | bytearray | memoryview):
-                with open(temp, "wb") as f:
-                    f.write(payload)
-            else:
-                write_parquet(payload, temp)
-            size = os.path.getsize(temp)
-            fd = os.open(temp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return size
-    data = payload if isinstance(payload, bytes | bytearray) else parquet_bytes(payload)
-    fs.pipe_file(path, data)  # one PUT: the object exists whole or not at all
+        with open(temp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+        _fsync_dir(directory)
+        return len(payload)
+    fs.pipe_file(path, payload)  # one PUT: the object exists whole or not at all
     # Committed only once the store lists it at its full size.
     fs.invalidate_cache(directory)
     size = fs.info(path).get("size")
-    if size != len(data):
-        raise OSError(f"{path}: the store holds {size} bytes after writing {len(data)}")
+    if size != len(payload):
+        raise OSError(f"{path}: the store holds {size} bytes after writing {len(payload)}")
     return size
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def session_dir(root: str, session: str) -> str:

@@ -2,7 +2,8 @@
 any fsspec filesystem or object store while the run goes on.
 
 The sink holds no copy of the data: a session keeps every chunk anyway, and the sink reads the
-episodes its cursor has not reached from there, one bounded file at a time, on its own thread.
+episodes its cursor has not reached from there, one bounded row group at a time, on its own
+thread, while a second thread encodes the row group before.
 Ingest never waits for it. A failed write is retried with backoff and counted; what it would
 have written stays in the session, the log and its checkpoints until a write commits (see
 cursor.py), so a crash or an unreachable store delays episodes and loses none. Ingest comes
@@ -13,7 +14,6 @@ collection phases.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import os
@@ -21,6 +21,8 @@ import re
 import socket
 import threading
 import time
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from recorder_client.trajectory import CORRUPT
 
 from ..durability import records
 from ..errors import ErrorKind, RequestError
-from . import layout
+from . import gather, layout
 from .cursor import Intent
 from .lag import LagClock
 
@@ -135,6 +137,7 @@ class DatasetSink:
         self._stop = threading.Event()
         self._lag_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._encoding: ThreadPoolExecutor | None = None
 
     # -- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +167,8 @@ class DatasetSink:
                     session.name,
                     exc,
                 )
+        if self._encoding is not None:
+            self._encoding.shutdown(wait=False)
 
     def flush_now(self, session: Any) -> None:
         """Write every finished episode of ``session`` now; the caller holds its
@@ -180,10 +185,7 @@ class DatasetSink:
 
     # -- the writer thread -------------------------------------------------
     def _run(self) -> None:
-        # Below ingest in the scheduler: a busy machine takes chunks first and writes the
-        # dataset with what is left (it catches up when ingest pauses).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        _lower_priority()
         tick = min(1.0, max(0.05, self.options.flush_seconds / 4))
         while True:
             now = time.monotonic()
@@ -333,24 +335,59 @@ class DatasetSink:
         return found + 1
 
     def _write(self, session: Any, intent: Intent) -> None:
-        episodes, fields = self._gather(session, intent)
+        """Write the intent's file: its episodes gathered a row group at a time on this
+        thread while the encoder thread writes the one before (pyarrow releases the GIL), so
+        the two overlap and memory holds two row groups, not the file."""
+        fields, roster, parts = self._collect(session, intent)
         config = session.config.to_dict()
         if session.name not in self._described:
             layout.describe(self.fs, self.root, session.name, fields, config)
             self._described.add(session.name)
-        table = layout.episode_table(episodes, fields, config)
-        episodes.values = {}  # the table holds the columns now
         name = layout.file_name(intent.node or self.node, intent.generation, intent.seq)
         path = f"{layout.session_dir(self.root, session.name)}/{name}"
-        size = layout.put_whole(self.fs, path, table)
+        step_bytes = layout.ROW_OVERHEAD + sum(f.step_bytes for f in fields)
+        episodes = steps = 0
+        out = layout.EpisodeFile(self.fs, path)
+        encoding = None
+        try:
+            for batch in gather.batches(parts, step_bytes, layout.ROW_GROUP_BYTES):
+                gathered = self._episodes(session, intent, fields, roster, batch)
+                table = layout.episode_table(gathered, fields, config)
+                episodes += int(gathered.lengths.size)
+                steps += gathered.num_steps
+                del gathered
+                if encoding is not None:
+                    encoding.result()
+                encoding = self._encoder().submit(out.write, table)
+                del table
+            if encoding is not None:
+                encoding.result()
+            payload = out.finish()
+        except BaseException:
+            if encoding is not None:
+                futures.wait([encoding])  # the encoder lets go of the file first
+            out.abort()
+            raise
+        try:
+            size = layout.put_whole(self.fs, path, payload)
+        finally:
+            out.abort()  # a staged file not renamed into place goes
         labels = {"session": session.name}
         self.metrics.inc("Recorder/dataset_files_written", 1, **labels)
-        self.metrics.inc("Recorder/dataset_episodes_written", int(episodes.lengths.size), **labels)
-        self.metrics.inc("Recorder/dataset_steps_written", episodes.num_steps, **labels)
+        self.metrics.inc("Recorder/dataset_episodes_written", episodes, **labels)
+        self.metrics.inc("Recorder/dataset_steps_written", steps, **labels)
         self.metrics.inc("Recorder/dataset_bytes_written", size, **labels)
 
-    def _gather(self, session: Any, intent: Intent) -> tuple[layout.Episodes, list]:
-        """The intent's episodes as flat step arrays (chunks decoded outside the lock)."""
+    def _encoder(self) -> ThreadPoolExecutor:
+        if self._encoding is None:
+            self._encoding = ThreadPoolExecutor(
+                1, thread_name_prefix="recorder-dataset-encode", initializer=_lower_priority
+            )
+        return self._encoding
+
+    def _collect(self, session: Any, intent: Intent) -> tuple[list, list, list]:
+        """The intent's fields, the session's roster, and per worker its episodes' rows and
+        the chunks they span (read under the session's lock; nothing decoded)."""
         with_store = session.processor.store is not None
         if with_store:
             session.drain()  # the store's ids of these episodes are known once it is fed
@@ -374,27 +411,29 @@ class DatasetSink:
                     known = session.feeder.trajectory_id_table(tl.index)[first:end_row]
                     ids = np.full(env.size, -1, dtype=np.int64)
                     ids[: known.size] = known
-                lo, hi = int(start.min()), int(end.max())
-                chunks = tl.chunks
-                i = bisect.bisect_right(chunks, lo, key=lambda c: c.t0) - 1
-                j = bisect.bisect_left(chunks, hi, key=lambda c: c.t0)
-                held = chunks[max(i, 0) : j]
-                parts.append((worker_id, tl.index, env, start, end, held, ids, flags))
+                parts.append((worker_id, tl.index, env, start, end, list(tl.chunks), ids, flags))
+        return fields, roster, parts
+
+    def _episodes(
+        self, session: Any, intent: Intent, fields: list, roster: list, parts: list
+    ) -> layout.Episodes:
+        """Episodes of ``parts`` (as `_collect` gives them) as flat step arrays."""
         values: dict[str, list[np.ndarray]] = {f.column: [] for f in fields}
         worker_ids: list[str] = []
         windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
         partial = []
         for worker_id, index, env, start, end, chunks, ids, flags in parts:
             n = end - start
+            chunks = gather.spanned(chunks, int(start.min()), int(end.max()))
             session.verify(chunks)
             for chunk in chunks:  # proved: its zeros are marked, never written as data
                 if chunk.corrupt:
                     flags[(start < chunk.t0 + chunk.length) & (chunk.t0 < end)] |= CORRUPT
             partial.append(flags)
-            picked, codes = _gather_steps(chunks, fields, env, start, n)
+            picked, codes = gather.gather_steps(chunks, fields, env, start, n)
             for spec in fields:
                 values[spec.column].append(picked[spec.column])
-            outcomes.append(_last_nonzero(codes, n))
+            outcomes.append(gather.last_nonzero(codes, n))
             worker_ids.extend([worker_id] * env.size)
             windex.append(np.full(env.size, index, dtype=np.int64))
             envs.append(env)
@@ -411,76 +450,16 @@ class DatasetSink:
             start=np.concatenate(starts),
             lengths=np.concatenate(lengths),
             outcome=np.concatenate(outcomes),
-            values={k: _joined(v) for k, v in values.items()},
+            values={k: gather.joined(v) for k, v in values.items()},
             store_ids=np.concatenate(store_ids),
             roster=roster,
             partial=np.concatenate(partial),
         )
-        return episodes, fields
+        return episodes
 
 
-def _joined(parts: list[np.ndarray]) -> np.ndarray:
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-def _gather_steps(
-    chunks: list, fields: list, env: np.ndarray, start: np.ndarray, lengths: np.ndarray
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Every step of the episodes (env, start, length), joined episode by episode, per field
-    column, and their outcome codes. Chunks are decoded one at a time (one chunk per field
-    in memory beside the result, however long the episodes), each once."""
-    total = int(lengths.sum())
-    t = np.repeat(start - (np.cumsum(lengths) - lengths), lengths)
-    t += np.arange(total)
-    t0 = np.asarray([c.t0 for c in chunks], dtype=np.int64)
-    which = np.searchsorted(t0, t, side="right") - 1
-    t -= t0[which]  # the step's row in its chunk
-    e = np.repeat(env, lengths)
-    # The steps grouped by chunk: a stable sort of small ints (radix), not of the times.
-    order = np.argsort(which.astype(np.min_scalar_type(len(chunks))), kind="stable")
-    bounds = np.searchsorted(which, np.arange(len(chunks) + 1), sorter=order)
-    del which
-    out = {f.column: np.empty((total, *f.shape), dtype=f.dtype) for f in fields}
-    codes = np.zeros(total, dtype=np.int64)
-    scratch: dict[str, np.ndarray] = {}
-    for i, chunk in enumerate(chunks):
-        rows = order[bounds[i] : bounds[i + 1]]
-        if not rows.size:
-            continue
-        items = None
-        for spec in fields:
-            src = chunk.arrays[spec.key]
-            buf = scratch.get(spec.key)
-            if buf is None or buf.shape != src.shape:
-                buf = scratch[spec.key] = np.empty(src.shape, dtype=src.dtype)
-            src.decode_into(buf, f"stored {spec.key}")
-            if items is None:  # the steps' flat items t * N + e, shared by every field
-                items = t[rows] * buf.shape[1] + e[rows]
-            _copy_steps(out[spec.column], rows, buf, items)
-        if chunk.outcome is not None:
-            if items is None:
-                items = t[rows] * chunk.outcome.shape[1] + e[rows]
-            codes[rows] = chunk.outcome.decode().reshape(-1)[items]
-    return out, codes
-
-
-def _copy_steps(dest: np.ndarray, rows: np.ndarray, src: np.ndarray, items: np.ndarray) -> None:
-    """dest[rows] = the steps at flat ``items`` of a (T, N, ...) array: each step one opaque
-    item (one memcpy), or through a cast when the dtypes differ (rewards -> float32)."""
-    step_bytes = src.itemsize * int(np.prod(src.shape[2:], dtype=np.int64))
-    if step_bytes == 0:
-        return
-    flat = src.reshape(src.shape[0] * src.shape[1], step_bytes // src.itemsize)
-    if dest.dtype != src.dtype:
-        with np.errstate(over="ignore", invalid="ignore"):
-            dest[rows] = flat[items].reshape(items.size, *dest.shape[1:])
-        return
-    item = np.dtype((np.void, step_bytes))
-    dest.reshape(dest.shape[0], -1).view(item)[rows, 0] = flat.view(item)[items, 0]
-
-
-def _last_nonzero(codes: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per episode (lengths, back to back in ``codes``): its last non-zero code, or 0."""
-    where = np.where(codes != 0, np.arange(codes.size), -1)
-    last = np.maximum.reduceat(where, np.cumsum(lengths) - lengths)
-    return np.where(last >= 0, codes[np.maximum(last, 0)], 0).astype(np.int64)
+def _lower_priority() -> None:
+    # Below ingest in the scheduler: a busy machine takes chunks first and writes the
+    # dataset with what is left (it catches up when ingest pauses).
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
