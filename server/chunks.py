@@ -26,6 +26,9 @@ STATE = "state:"
 FINAL = "final:"
 FLAGS = ("terminated", "truncated")
 _NUM_OUTCOMES = len(EpisodeOutcome)
+# State fields one chunk may carry: each costs the session a schema entry and finish() an
+# output array.
+MAX_STATE_FIELDS = 1024
 # Decoded before every ack: episodes are split and counted from them.
 ALWAYS_DECODED = frozenset({"done", "reward", "outcome", "terminated", "truncated", "valid"})
 # Optional chunk by chunk, so outside the session's schema (a finish reads them per chunk).
@@ -359,6 +362,11 @@ def decode_chunk(
         raise invalid(f"chunk.done.dtype: expected '|b1' (bool), got {arrays['done'].dtype.str!r}")
     allowed = set(config.state_fields) if config.record_states else set()
     sent = [k[len(STATE) :] for k in arrays if k.startswith(STATE)]
+    if len(sent) > MAX_STATE_FIELDS:  # observation fields come unannounced: bounded here
+        raise invalid(
+            f"chunk.states: expected at most {MAX_STATE_FIELDS} state fields (observation "
+            f"fields included), got {len(sent)}"
+        )
     for name in sent:
         what = array_label("chunk", STATE + name)
         if name not in allowed and not is_obs_field(name):

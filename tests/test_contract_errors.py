@@ -226,6 +226,11 @@ RAW_BAD = {
         {"state:obs": np.zeros((T, N, 2)), "final:obs": np.zeros((T, N, 3))},
         "chunk.finals['obs']: expected float64 of shape [4, 2, 2]",
     ),
+    "too_many_fields": (
+        {f"state:obs.{i}": np.zeros((T, N), bool) for i in range(1024)},
+        "chunk.states: expected at most 1024 state fields (observation fields included), "
+        "got 1025",
+    ),
     "state_not_allowed": (
         {"state:secret": np.zeros((T, N))},
         "chunk.states: expected fields from none (record_states is off) or observation fields",

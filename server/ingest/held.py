@@ -40,7 +40,11 @@ class HeldChunk:
     def encoded(self) -> dict:
         """The arrays a stored episode reads, as the session holds them now (a frame found
         not to decode is replaced there)."""
-        return {k: a for k, a in self.source.arrays.items() if k not in ("done", "outcome")}
+        return {
+            k: a
+            for k, a in self.source.arrays.items()
+            if k in ("action", "reward") or k.startswith("state:")
+        }
 
 
 @dataclass
