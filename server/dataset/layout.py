@@ -102,6 +102,22 @@ class Episodes:
         return int(self.lengths.sum())
 
 
+REQUIRED_COLUMNS = (
+    "episode_id",
+    "node",
+    "generation",
+    "worker",
+    "worker_index",
+    "env",
+    "start",
+    "step",
+    "done",
+    "outcome",
+    "store_trajectory",
+    "partial",
+)
+
+
 def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str, Any]) -> Any:
     """The Arrow table of ``episodes`` in the dataset layout, its metadata attached."""
     import pyarrow as pa
@@ -155,10 +171,10 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
                 store = np.full(count, -1, dtype=np.int64)
             columns["store_trajectory"] = per_step(store, np.int64)
             columns["partial"] = _partial_column(episodes.partial, count, lengths)
-    # The columns built here never hold a null: declared so, Parquet stores no definition
-    # levels for them (cheaper to write; files of either kind read back alike). The same
-    # set for every row group of a file, whatever its values.
-    required = {*columns}
+    # These columns never hold a null: declared so, Parquet stores no definition levels for
+    # them (cheaper to write; files of either kind read back alike). Named, so that every
+    # row group of a file has the same schema whatever its values; any other is nullable.
+    required = {*REQUIRED_COLUMNS, *(f.column for f in fields)}
     meta = {
         "layout": layout.LAYOUT_VERSION,
         "session": episodes.session,
