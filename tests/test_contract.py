@@ -40,7 +40,9 @@ class Producer:
     rows only where the env's open episode has no step yet (its start, right after a done,
     at chunk boundaries), both flags true at once sometimes."""
 
-    def __init__(self, seed: int, *, flags: bool = True, valid: bool = True) -> None:
+    def __init__(self, seed: int, *, flags: bool | str = True, valid: bool = True) -> None:
+        """``flags``: chunks with terminated and truncated (True), done only (False), or
+        one then the other ("mixed")."""
         self.rng = np.random.default_rng(seed)
         self.flags, self.valid = flags, valid
         self.open_empty = np.ones(N, dtype=bool)
@@ -79,7 +81,7 @@ class Producer:
             "final": final,
             "valid": valid,
         }
-        if self.flags:
+        if self.flags is True or (self.flags == "mixed" and len(self.chunks) % 2 == 0):
             arrays["terminated"], arrays["truncated"] = term, trunc
         else:
             arrays["done"] = term | trunc
@@ -109,12 +111,14 @@ def truth(producers: list[Producer], pad_incomplete: bool = True) -> list[dict]:
             "reward": np.concatenate([c["reward"] for c in prod.chunks]),
             "valid": np.concatenate([c["valid"] for c in prod.chunks]),
         }
-        if prod.flags:
-            cat["terminated"] = np.concatenate([c["terminated"] for c in prod.chunks])
-            cat["truncated"] = np.concatenate([c["truncated"] for c in prod.chunks])
-            cat["done"] = cat["terminated"] | cat["truncated"]
-        else:
-            cat["done"] = np.concatenate([c["done"] for c in prod.chunks])
+        # A chunk recorded with done only reads terminated = done, truncated False.
+        cat["terminated"] = np.concatenate(
+            [c.get("terminated", c.get("done")) for c in prod.chunks]
+        )
+        cat["truncated"] = np.concatenate(
+            [c.get("truncated", np.zeros_like(c.get("done"))) for c in prod.chunks]
+        )
+        cat["done"] = cat["terminated"] | cat["truncated"]
         obs = {n: np.concatenate([c["obs"][n] for c in prod.chunks]) for n, _, _ in LEAVES}
         fin = {n: np.concatenate([c["final"][n] for c in prod.chunks]) for n, _, _ in LEAVES}
         total = cat["action"].shape[0]
@@ -126,8 +130,7 @@ def truth(producers: list[Producer], pad_incomplete: bool = True) -> list[dict]:
                     continue
                 steps.append(t)
                 if cat["done"][t, e]:
-                    term = bool(cat["terminated"][t, e]) if prod.flags else True
-                    trunc = bool(cat["truncated"][t, e]) if prod.flags else False
+                    term, trunc = bool(cat["terminated"][t, e]), bool(cat["truncated"][t, e])
                     final = {n: fin[n][t, e] for n in fin}
                     episodes.append(_episode(w, e, steps, cat, obs, term, trunc, final, True))
                     steps = []
@@ -204,6 +207,7 @@ def test_finish_matches_the_truth(target, seed):
         Producer(seed * 10),
         Producer(seed * 10 + 1, flags=False),  # done only: terminated = done
         Producer(seed * 10 + 2, valid=False),  # no mask
+        Producer(seed * 10 + 3, flags="mixed"),
     ]
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.integers(1, 9, size=5)]
@@ -290,3 +294,18 @@ def test_kill_9_and_restart_keep_the_contract(tmp_path: Path):
             rec.close()
     finally:
         server.kill()
+
+
+def test_runtime_state_round_trip(target):
+    """runtime_state() holds the contract's arrays: a reset and a load give back the same."""
+    producers = [Producer(21), Producer(22, flags="mixed")]
+    rec = _record(target, "state", producers, [5, 3, 6])
+    try:
+        state = rec.runtime_state()
+        rec.reset()
+        rec.load_runtime_state(state)
+        expected = truth(producers)
+        check(rec.finish(), expected)
+        check(_parts_finish(rec), expected)
+    finally:
+        rec.close()
