@@ -1,0 +1,417 @@
+"""Record Gymnasium rollouts: `RecordRollouts` wraps a vector environment, `RecordEpisodes`
+a single one.
+
+Each step becomes one row of preallocated `(T, N, ...)` buffers: the observation the action
+was taken from (`obs`), `action`, `reward`, `terminated`, `truncated`, and on the rows that
+end an episode the observation after the step (`final_obs`). Every `chunk_steps` steps the
+rows go to `RolloutRecorder.record()`; `close()` sends the rest.
+
+Autoreset (`envs.metadata["autoreset_mode"]`), by Gymnasium's documented rules:
+
+- `NEXT_STEP` (the default): the step after a done ignores its action and returns the next
+  episode's first observation with reward 0. That row is recorded with `valid` False: it
+  belongs to no episode. The final observation is the one the done step returned.
+- `SAME_STEP`: a done step returns the next episode's first observation; the final one is in
+  `infos["final_obs"]`.
+- `DISABLED`: the caller resets finished environments (`reset(options={"reset_mask": ...})`);
+  the final observation is the one the done step returned.
+
+A `reset()` of an environment whose episode is under way (no flag ended it) ends that episode
+as **truncated** on its last recorded step, with the observation the environment was left in
+as its final one: the episode was cut from outside the MDP, which is what `truncated` means
+(Minari's `DataCollector` does the same). Rows are sent one step late (when the next step
+begins), so that the last step can still be marked.
+
+Imports gymnasium (the `[gymnasium]` extra); `import recorder_client` does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
+
+from .recorder import RolloutRecorder
+
+_LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+_KINDS = "Box, Discrete, MultiDiscrete, MultiBinary, or a Dict/Tuple of them"
+
+
+def _leaves(space: spaces.Space, where: str, path: tuple = ()) -> list[tuple[tuple, spaces.Space]]:
+    """Every array of an observation space with the keys that reach it, in the order Dict
+    and Tuple spaces keep."""
+    name = ".".join([where, *map(str, path)])
+    if isinstance(space, spaces.Dict):
+        out = []
+        for key, sub in space.spaces.items():
+            if not isinstance(key, str) or not key or "." in key:
+                raise ValueError(
+                    f"{name}: expected Dict keys that are non-empty strings without '.' "
+                    f"(they name the recorded fields {name}.<key>), got {key!r}"
+                )
+            out += _leaves(sub, where, (*path, key))
+        return out
+    if isinstance(space, spaces.Tuple):
+        return [
+            leaf for i, sub in enumerate(space.spaces) for leaf in _leaves(sub, where, (*path, i))
+        ]
+    if isinstance(space, _LEAF_SPACES):
+        return [(path, space)]
+    raise TypeError(f"{name}: expected a space of kind {_KINDS}, got {space}")
+
+
+def _getter(path: tuple) -> Callable[[Any], Any]:
+    def get(value: Any) -> Any:
+        for key in path:
+            value = value[key]
+        return value
+
+    return get
+
+
+def _nest(space: spaces.Space, arrays: list[np.ndarray]) -> Any:
+    """The leaves back in the space's structure (dicts and tuples), in `_leaves` order."""
+    it = iter(arrays)
+
+    def build(sub: spaces.Space) -> Any:
+        if isinstance(sub, spaces.Dict):
+            return {key: build(s) for key, s in sub.spaces.items()}
+        if isinstance(sub, spaces.Tuple):
+            return tuple(build(s) for s in sub.spaces)
+        return next(it)
+
+    return build(space)
+
+
+def _autoreset_mode(envs: VectorEnv) -> AutoresetMode:
+    mode = envs.metadata.get("autoreset_mode")
+    try:
+        return mode if isinstance(mode, AutoresetMode) else AutoresetMode(mode)
+    except ValueError:
+        raise ValueError(
+            f"envs.metadata['autoreset_mode']: expected one of "
+            f"{[m.value for m in AutoresetMode]} (which step a finished environment is reset "
+            f"on decides which rows are real steps), got {mode!r}"
+        ) from None
+
+
+class _Rows:
+    """The chunk being filled: row `t` is step `t`; `obs` has one row more, the observation
+    the next step starts from (row 0 of the next chunk)."""
+
+    def __init__(
+        self,
+        recorder: RolloutRecorder,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        num_envs: int,
+        chunk_steps: int,
+        mode: AutoresetMode,
+        where: str,
+    ) -> None:
+        if isinstance(chunk_steps, bool) or not isinstance(chunk_steps, int) or chunk_steps < 1:
+            raise ValueError(f"chunk_steps: expected an integer >= 1, got {chunk_steps!r}")
+        if not isinstance(action_space, _LEAF_SPACES):
+            raise TypeError(
+                f"{where}.action_space: expected Box, Discrete, MultiDiscrete or MultiBinary "
+                f"(record() takes one (T, N, ...) action array), got {action_space}"
+            )
+        self.recorder = recorder
+        self.space = observation_space
+        leaves = _leaves(observation_space, "obs")
+        self.leaf_specs = [(space.shape, space.dtype) for _, space in leaves]
+        self.getters = [_getter(path) for path, _ in leaves]
+        self.plain = leaves[0][0] == ()  # one array, no Dict/Tuple around it
+        self.action_spec = (action_space.shape, action_space.dtype)
+        self.T, self.n, self.mode = chunk_steps, num_envs, mode
+        self.started = False
+        self.sent_steps = 0
+        # NEXT_STEP: which environments' row 0 is an autoreset row, and resets that cancelled
+        # a pending autoreset, as (row, mask): both decide `valid`.
+        self.pending0 = np.zeros(num_envs, dtype=bool)
+        self.unpend: list[tuple[int, np.ndarray]] = []
+        self.obs = [np.empty((self.T + 1, num_envs, *s), d) for s, d in self.leaf_specs]
+        self._new_chunk()
+
+    def _new_chunk(self) -> None:
+        T, n = self.T, self.n
+        shape, dtype = self.action_spec
+        self.action = np.empty((T, n, *shape), dtype)
+        self.reward = np.empty((T, n), np.float32)  # the dtype the recorder returns
+        self.terminated = np.empty((T, n), bool)
+        self.truncated = np.empty((T, n), bool)
+        self.final: list[np.ndarray] | None = None  # made when a final observation arrives
+        self.final_set: np.ndarray | None = None
+        self.t = 0
+
+    def _finals(self) -> list[np.ndarray]:
+        if self.final is None:
+            self.final = [np.zeros((self.T, self.n, *s), d) for s, d in self.leaf_specs]
+            self.final_set = np.zeros((self.T, self.n), dtype=bool)
+        return self.final
+
+    def add(self, action: Any, obs: Any, reward: Any, terminated: Any, truncated: Any) -> None:
+        t = self.t
+        if t == self.T:
+            self.send()
+            t = 0
+        self.action[t] = action
+        self.reward[t] = reward
+        self.terminated[t] = terminated
+        self.truncated[t] = truncated
+        if self.plain:
+            self.obs[0][t + 1] = obs
+        else:
+            for get, buf in zip(self.getters, self.obs):
+                buf[t + 1] = get(obs)
+        self.t = t + 1
+
+    def add_finals(self, final_obs: np.ndarray, has: np.ndarray) -> None:
+        """SAME_STEP: the final observations of the last step, from `infos["final_obs"]`
+        (one object per environment, None where there is none)."""
+        r = self.t - 1
+        finals = self._finals()
+        for i in np.flatnonzero(has):
+            for get, buf in zip(self.getters, finals):
+                buf[r, i] = get(final_obs[i])
+        self.final_set[r] |= has
+
+    def _pending(self, r: int) -> np.ndarray:
+        """NEXT_STEP: the environments whose row `r` is an autoreset row."""
+        p = self.pending0 if r == 0 else self.terminated[r - 1] | self.truncated[r - 1]
+        for row, mask in self.unpend:
+            if row == r:
+                p = p & ~mask
+        return p
+
+    def restart(self, obs: Any, mask: np.ndarray | None) -> None:
+        """A reset() of the environments in `mask` (all when None) returned `obs`."""
+        t = self.t
+        m = np.ones(self.n, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+        if self.started and t > 0:
+            r = t - 1
+            ended = self.terminated[r] | self.truncated[r]
+            cut = m & ~ended  # episodes under way: cut here
+            if self.mode == AutoresetMode.NEXT_STEP:
+                cut &= ~self._pending(r)
+            finals = self._finals()
+            save = cut | (m & ended & ~self.final_set[r])  # before obs[t] is overwritten
+            for buf, final in zip(self.obs, finals):
+                final[r][save] = buf[t][save]
+            self.final_set[r] |= save
+            self.truncated[r] |= cut
+        if self.mode == AutoresetMode.NEXT_STEP:
+            self.unpend.append((t, m))
+        for get, buf in zip(self.getters, self.obs):
+            value = np.asarray(get(obs))
+            if mask is None:
+                buf[t] = value
+            else:
+                buf[t][m] = value[m]
+        self.started = True
+
+    def send(self) -> None:
+        """record() the rows so far; the observation after the last one starts the next chunk."""
+        T = self.t
+        if T == 0:
+            return
+        terminated, truncated = self.terminated[:T], self.truncated[:T]
+        done = terminated | truncated
+        finals = [f[:T] for f in self._finals()]
+        missing = done & ~self.final_set[:T]
+        if self.mode == AutoresetMode.SAME_STEP:
+            if missing.any():
+                r, i = (int(x[0]) for x in np.nonzero(missing))
+                raise RuntimeError(
+                    f"infos['final_obs']: expected the final observation of environment {i}, "
+                    f"which ended an episode (step {self.sent_steps + r} of this wrapper), got "
+                    f"none (does a wrapper between this one and the vector env drop infos?)"
+                )
+        else:  # the observation a done step returned is its final one
+            for buf, final in zip(self.obs, finals):
+                where = missing.reshape(missing.shape + (1,) * (final.ndim - 2))
+                np.copyto(final, buf[1 : T + 1], where=where)
+        chunk = {
+            "action": self.action[:T],
+            "reward": self.reward[:T],
+            "terminated": terminated,
+            "truncated": truncated,
+            "obs": _nest(self.space, [buf[:T] for buf in self.obs]),
+            "final_obs": _nest(self.space, finals),
+        }
+        if self.mode == AutoresetMode.NEXT_STEP:
+            valid = np.empty((T, self.n), dtype=bool)
+            valid[0] = ~self.pending0
+            valid[1:] = ~done[:-1]
+            pending = done[-1].copy()
+            for row, mask in self.unpend:
+                if row < T:
+                    valid[row] |= mask
+                else:
+                    pending &= ~mask
+            chunk["valid"] = valid
+            self.pending0, self.unpend = pending, []
+        self.recorder.record(chunk)
+        self.sent_steps += T
+        # record() keeps references: the next chunk gets buffers of its own.
+        carry = [buf[T] for buf in self.obs]
+        self.obs = [np.empty_like(buf) for buf in self.obs]
+        for buf, row in zip(self.obs, carry):
+            buf[0] = row
+        self._new_chunk()
+
+
+def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    if recorder is None:
+        return RolloutRecorder(**kwargs), True
+    if kwargs:
+        raise TypeError(
+            f"recorder_kwargs: expected none with a recorder given (they configure the "
+            f"recorder made when recorder is None), got {sorted(kwargs)}"
+        )
+    return recorder, False
+
+
+class RecordRollouts(gymnasium.vector.VectorWrapper):
+    """Records every step of a Gymnasium vector environment (sync or async) into a recorder.
+
+    `recorder=None` makes `RolloutRecorder(**recorder_kwargs)` (with no `target`, a private
+    server) and closes it on `close()`; a recorder given is flushed on `close()`, not closed,
+    so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
+    sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
+    next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation
+    is recorded.
+    """
+
+    def __init__(
+        self,
+        envs: VectorEnv,
+        recorder: RolloutRecorder | None = None,
+        *,
+        chunk_steps: int = 128,
+        **recorder_kwargs: Any,
+    ) -> None:
+        super().__init__(envs)
+        mode = _autoreset_mode(envs)
+        rows = _Rows(
+            None,
+            envs.single_observation_space,
+            envs.single_action_space,
+            envs.num_envs,
+            chunk_steps,
+            mode,
+            "envs",
+        )
+        self.recorder, self._owned = _recorder(recorder, recorder_kwargs)
+        rows.recorder = self.recorder
+        self._rows = rows
+        self._same_step = mode == AutoresetMode.SAME_STEP
+        self._done = False
+
+    def reset(
+        self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        mask = None if options is None else options.get("reset_mask")  # the env pops it
+        obs, infos = self.env.reset(seed=seed, options=options)
+        self._rows.restart(obs, mask)
+        return obs, infos
+
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        rows = self._rows
+        if not rows.started:
+            raise RuntimeError(
+                "RecordRollouts.step: expected reset() through the wrapper first (the first "
+                "observation is recorded), got step() before any"
+            )
+        obs, reward, terminated, truncated, infos = self.env.step(actions)
+        rows.add(actions, obs, reward, terminated, truncated)
+        if self._same_step:
+            final = infos.get("final_obs")
+            if final is not None:
+                rows.add_finals(final, infos["_final_obs"])
+        return obs, reward, terminated, truncated, infos
+
+    def close(self, **kwargs: Any) -> None:
+        """Send the rows not yet recorded, flush (or close, when made here) the recorder,
+        then close the environments."""
+        if not self._done:
+            self._done = True
+            try:
+                _finish(self._rows, self.recorder, self._owned)
+            finally:
+                self.env.close(**kwargs)
+
+
+def _finish(rows: _Rows, recorder: RolloutRecorder, owned: bool) -> None:
+    try:
+        rows.send()
+    finally:
+        if owned:
+            recorder.close()
+        else:
+            recorder.flush()
+
+
+class RecordEpisodes(gymnasium.Wrapper):
+    """Records every step of a single Gymnasium environment (N = 1) into a recorder.
+
+    The same as `RecordRollouts` for a `gymnasium.Env`: the caller resets after a done; a
+    reset before one ends the episode as truncated.
+    """
+
+    def __init__(
+        self,
+        env: gymnasium.Env,
+        recorder: RolloutRecorder | None = None,
+        *,
+        chunk_steps: int = 128,
+        **recorder_kwargs: Any,
+    ) -> None:
+        super().__init__(env)
+        rows = _Rows(
+            None,
+            env.observation_space,
+            env.action_space,
+            1,
+            chunk_steps,
+            AutoresetMode.DISABLED,
+            "env",
+        )
+        self.recorder, self._owned = _recorder(recorder, recorder_kwargs)
+        rows.recorder = self.recorder
+        self._rows = rows
+        self._done = False
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed, options=options)
+        self._rows.restart(obs, None)
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        if not self._rows.started:
+            raise RuntimeError(
+                "RecordEpisodes.step: expected reset() through the wrapper first (the first "
+                "observation is recorded), got step() before any"
+            )
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self._rows.add(action, obs, reward, terminated, truncated)
+        return obs, reward, terminated, truncated, info
+
+    def close(self) -> None:
+        """Send the rows not yet recorded, flush (or close, when made here) the recorder,
+        then close the environment."""
+        if not self._done:
+            self._done = True
+            try:
+                _finish(self._rows, self.recorder, self._owned)
+            finally:
+                self.env.close()
+
+
+__all__ = ["RecordEpisodes", "RecordRollouts"]

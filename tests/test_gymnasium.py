@@ -1,0 +1,322 @@
+"""recorder_client.gymnasium records exactly what the environments produced.
+
+The truth is computed here from the environments themselves, never from the wrapper: the
+same seeds and actions are replayed on single, un-vectorised environments, which are reset
+by Gymnasium's documented autoreset rules (next-step: the step after a done only resets and
+ignores its action; same-step: the done step resets; disabled: the caller resets), and the
+episodes are cut where the environments said so. A reset() before an episode ended cuts it:
+the wrapper documents that as truncated, with the observation the environment was left in as
+the final one (what Minari's DataCollector does).
+
+Then every episode the wrapper recorded is compared with the truth, step for step: the
+observations (every leaf of a nested Dict/Tuple, with its dtype), actions, rewards, both
+flags and the final observation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gym = pytest.importorskip("gymnasium")
+
+from gymnasium import spaces  # noqa: E402
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
+
+from recorder_client import InvalidChunkError, RolloutRecorder  # noqa: E402
+from recorder_client.gymnasium import RecordEpisodes, RecordRollouts  # noqa: E402
+
+NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
+MAX_STEPS = 12  # the mixed env's time limit
+
+
+class MixedEnv(gym.Env):
+    """A small env with a nested Dict/Tuple observation of several dtypes. It terminates at
+    random, and more often on its last step, so that the time limit around it sometimes
+    truncates the step that terminated: both flags True."""
+
+    observation_space = spaces.Dict(
+        {
+            "pos": spaces.Box(-10, 10, (2,), np.float32),
+            "grid": spaces.Box(0, 255, (3, 3), np.uint8),
+            "inner": spaces.Tuple(
+                (
+                    spaces.Discrete(5),
+                    spaces.MultiBinary(4),
+                    spaces.Dict({"count": spaces.Box(0, 1000, (), np.int32)}),
+                )
+            ),
+            "mode": spaces.MultiDiscrete([3, 2]),
+        }
+    )
+    action_space = spaces.Box(-1, 1, (2,), np.float32)
+
+    def _obs(self):
+        rng = self.np_random
+        return {
+            "pos": self.pos.copy(),
+            "grid": rng.integers(0, 256, (3, 3), dtype=np.uint8),
+            "inner": (
+                int(rng.integers(5)),
+                rng.integers(0, 2, 4, dtype=np.int8),
+                {"count": np.int32(self.count)},
+            ),
+            "mode": rng.integers(0, [3, 2]).astype(np.int64),
+        }
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        self.count = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.count += 1
+        self.pos = np.clip(self.pos + np.asarray(action, np.float32), -10, 10)
+        reward = float(self.np_random.standard_normal())
+        terminated = bool(self.np_random.random() < (0.5 if self.count == MAX_STEPS else 0.08))
+        return self._obs(), reward, terminated, False, {}
+
+
+def make_mixed():
+    return gym.wrappers.TimeLimit(MixedEnv(), MAX_STEPS)
+
+
+def make_cartpole():
+    return gym.make("CartPole-v1")
+
+
+# -- the truth, from single environments ------------------------------------------------
+
+
+def leaves(obs, prefix="obs"):
+    """{field name: value} of a (single env's) observation, named as the recorder names
+    them: obs, obs.<key>, obs.<i>, joined by dots."""
+    if isinstance(obs, dict):
+        return {k: v for key, sub in obs.items() for k, v in leaves(sub, f"{prefix}.{key}").items()}
+    if isinstance(obs, tuple):
+        return {k: v for i, sub in enumerate(obs) for k, v in leaves(sub, f"{prefix}.{i}").items()}
+    return {prefix: np.asarray(obs)}
+
+
+class Episode:
+    def __init__(self):
+        self.obs, self.actions, self.rewards = [], [], []
+        self.terminated = self.truncated = False
+        self.final = None  # leaves of the final observation; None: no flag ended it
+        self.cut = False  # a reset() ended it
+
+    def close(self, terminated, truncated, final):
+        self.terminated, self.truncated, self.final = bool(terminated), bool(truncated), final
+
+
+def truth(make_env, seed, actions, mode, interrupts=None):
+    """Per environment, its episodes in time order: `actions` (K, N, ...) replayed on N
+    single environments seeded seed + i as a vector env seeds them. `interrupts`: step ->
+    reset mask (None: all) of a reset() called before that step."""
+    interrupts = interrupts or {}
+    out = []
+    for i in range(actions.shape[1]):
+        env = make_env()
+        obs, _ = env.reset(seed=seed + i)
+        episodes, cur, pending = [], Episode(), False
+        for k in range(actions.shape[0]):
+            if k in interrupts and (interrupts[k] is None or interrupts[k][i]):
+                if cur.actions:  # cut while under way: truncated, left in `obs`
+                    cur.close(False, True, leaves(obs))
+                    cur.cut = True
+                    episodes.append(cur)
+                    cur = Episode()
+                obs, _ = env.reset()
+                pending = False
+            if mode == NEXT and pending:  # the autoreset step: the action is ignored
+                obs, _ = env.reset()
+                pending = False
+                continue
+            after, reward, terminated, truncated, _ = env.step(actions[k, i])
+            cur.obs.append(leaves(obs))
+            cur.actions.append(actions[k, i])
+            cur.rewards.append(reward)
+            if terminated or truncated:
+                cur.close(terminated, truncated, leaves(after))
+                episodes.append(cur)
+                cur = Episode()
+                if mode == NEXT:
+                    pending, obs = True, after
+                else:  # SAME_STEP resets now; under DISABLED the caller does (drive())
+                    obs, _ = env.reset()
+            else:
+                obs = after
+        if cur.actions:
+            episodes.append(cur)  # a tail: no flag ended it
+        env.close()
+        out.append(episodes)
+    return out
+
+
+def drive(envs, seed, actions, interrupts=None):
+    """Run the vector env through its wrapper: reset(seed), the actions, the interrupting
+    resets, and under DISABLED autoreset the caller's reset of every finished env."""
+    interrupts = interrupts or {}
+    disabled = envs.metadata["autoreset_mode"] == DISABLED
+    envs.reset(seed=seed)
+    for k, action in enumerate(actions):
+        if k in interrupts:
+            mask = interrupts[k]
+            envs.reset(options=None if mask is None else {"reset_mask": mask.copy()})
+        _, _, terminated, truncated, _ = envs.step(action)
+        if disabled and (terminated | truncated).any():
+            envs.reset(options={"reset_mask": terminated | truncated})
+
+
+def sample_actions(space, steps, num_envs, seed=1):
+    space.seed(seed)
+    return np.stack([space.sample() for _ in range(steps * num_envs)]).reshape(
+        steps, num_envs, *space.shape
+    )
+
+
+# -- the comparison ------------------------------------------------------------------
+
+
+def mismatches(traj, expected):
+    """Every (episode, field) where the recorded episodes differ from the truth."""
+    flat = [ep for env_eps in expected for ep in env_eps]
+    bad = []
+    if traj.num_episodes != len(flat):
+        return [f"episodes: expected {len(flat)}, got {traj.num_episodes}"]
+    envs = np.repeat(np.arange(len(expected)), [len(e) for e in expected])
+    if not (traj.episode_env == envs).all():
+        bad.append("episode_env")
+    for b, ep in enumerate(flat):
+        n = len(ep.actions)
+        if traj.lengths[b] != n:
+            bad.append(f"episode {b}: length {traj.lengths[b]} != {n}")
+            continue
+        got_a = traj.actions[b, :n]
+        if not np.array_equal(got_a, np.asarray(ep.actions, got_a.dtype)):
+            bad.append(f"episode {b}: actions")
+        if not np.array_equal(traj.rewards[b, :n], np.asarray(ep.rewards, np.float32)):
+            bad.append(f"episode {b}: rewards")
+        for name in ep.obs[0]:
+            want = np.stack([o[name] for o in ep.obs])
+            got = traj.states[name][b, :n]
+            if got.dtype != want.dtype or not np.array_equal(got, want):
+                bad.append(f"episode {b}: {name} ({got.dtype} vs {want.dtype})")
+        flags = (bool(traj.episode_terminated[b]), bool(traj.episode_truncated[b]))
+        if flags != (ep.terminated, ep.truncated):
+            bad.append(f"episode {b}: flags {flags} != {(ep.terminated, ep.truncated)}")
+        if bool(traj.episode_done[b]) != (ep.final is not None):
+            bad.append(f"episode {b}: episode_done")
+        for name, value in traj.final_states.items():
+            want = ep.final[name] if ep.final is not None else np.zeros_like(value[b])
+            if not np.array_equal(value[b], want):
+                bad.append(f"episode {b}: final {name}")
+    return bad
+
+
+def check(traj, expected, label):
+    bad = mismatches(traj, expected)
+    eps = [ep for env_eps in expected for ep in env_eps]
+    both = sum(ep.terminated and ep.truncated for ep in eps)
+    print(
+        f"{label}: {len(eps)} episodes ({sum(e.terminated for e in eps)} terminated, "
+        f"{sum(e.truncated for e in eps)} truncated, {both} both, "
+        f"{sum(e.final is None for e in eps)} tails, {sum(e.cut for e in eps)} cut by reset()), "
+        f"{len(bad)} mismatches"
+    )
+    assert bad == [], bad[:10]
+    return eps
+
+
+@pytest.fixture(scope="module")
+def address(tmp_path_factory):
+    from conftest import ServerProcess
+
+    proc = ServerProcess(tmp_path_factory.mktemp("gym") / "data")
+    try:
+        yield proc.address
+    finally:
+        proc.stop()
+
+
+def recorded(address, session, envs, drive_it, chunk_steps=64):
+    """Drive `envs` wrapped in RecordRollouts into a fresh session; finish()."""
+    with RolloutRecorder(target=address, session=session) as recorder:
+        wrapped = RecordRollouts(envs, recorder, chunk_steps=chunk_steps)
+        drive_it(wrapped)
+        wrapped.close()
+        return recorder.finish()
+
+
+def vector(kind, make_env, n, mode):
+    cls = SyncVectorEnv if kind == "sync" else AsyncVectorEnv
+    return cls([make_env] * n, autoreset_mode=mode)
+
+
+# -- the tests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME])
+def test_cartpole_sync_8_envs_exact(address, mode):
+    n, steps = 8, 700
+    actions = sample_actions(gym.spaces.Discrete(2), steps, n)
+    envs = vector("sync", make_cartpole, n, mode)
+    traj = recorded(address, f"cartpole-{mode.value}", envs, lambda e: drive(e, 3, actions))
+    eps = check(traj, truth(make_cartpole, 3, actions, mode), f"CartPole sync {mode.value}")
+    assert len(eps) > 150
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME])
+def test_dict_env_async_8_processes_exact(address, mode):
+    n, steps = 8, 300
+    actions = sample_actions(MixedEnv.action_space, steps, n)
+    envs = vector("async", make_mixed, n, mode)  # the processes fork before any recorder
+    traj = recorded(address, f"mixed-async-{mode.value}", envs, lambda e: drive(e, 5, actions))
+    eps = check(traj, truth(make_mixed, 5, actions, mode), f"Dict env async {mode.value}")
+    assert any(e.terminated and e.truncated for e in eps)
+    assert any(e.truncated and not e.terminated for e in eps)
+    assert traj.states["obs.grid"].dtype == np.uint8
+    assert traj.states["obs.inner.2.count"].dtype == np.int32
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME, DISABLED])
+def test_resets_mid_run_cut_episodes_as_truncated(address, mode):
+    """reset() with a reset_mask, a full reset(), one at a chunk boundary (step 32 with
+    chunk_steps=16), and (DISABLED) the caller's resets of finished environments."""
+    n, steps = 4, 120
+    actions = sample_actions(MixedEnv.action_space, steps, n, seed=2)
+    rng = np.random.default_rng(7)
+    interrupts = {k: rng.random(n) < 0.5 for k in (5, 17, 40, 41, 77)}
+    for k, mask in interrupts.items():
+        mask[k % n] = True  # reset() needs one env at least
+    interrupts.update({32: None, 90: None})
+    envs = vector("sync", make_mixed, n, mode)
+    traj = recorded(
+        address,
+        f"mixed-resets-{mode.value}",
+        envs,
+        lambda e: drive(e, 9, actions, interrupts),
+        chunk_steps=16,
+    )
+    expected = truth(make_mixed, 9, actions, mode, interrupts)
+    eps = check(traj, expected, f"Dict env sync {mode.value}, resets mid-run")
+    assert sum(e.cut for e in eps) >= 5
+
+
+def test_record_episodes_single_env_exact(address):
+    actions = sample_actions(MixedEnv.action_space, 200, 1, seed=4)
+    with RolloutRecorder(target=address, session="single") as recorder:
+        env = RecordEpisodes(make_mixed(), recorder, chunk_steps=32)
+        env.reset(seed=11)
+        for k, action in enumerate(actions[:, 0]):
+            if k in (53, 125):
+                env.reset()  # cuts the episode under way
+            _, _, terminated, truncated, _ = env.step(action)
+            if terminated or truncated:
+                env.reset()
+        env.close()
+        traj = recorder.finish()
+    expected = truth(make_mixed, 11, actions, DISABLED, {53: None, 125: None})
+    eps = check(traj, expected, "RecordEpisodes")
+    assert any(e.cut for e in eps)
