@@ -23,7 +23,7 @@ gym = pytest.importorskip("gymnasium")
 from gymnasium import spaces  # noqa: E402
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
 
-from recorder_client import InvalidChunkError, RolloutRecorder  # noqa: E402
+from recorder_client import RolloutRecorder  # noqa: E402
 from recorder_client.gymnasium import RecordEpisodes, RecordRollouts  # noqa: E402
 
 NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
@@ -320,3 +320,60 @@ def test_record_episodes_single_env_exact(address):
     expected = truth(make_mixed, 11, actions, DISABLED, {53: None, 125: None})
     eps = check(traj, expected, "RecordEpisodes")
     assert any(e.cut for e in eps)
+
+
+def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address):
+    """recorder=None: the wrapper makes RolloutRecorder(**kwargs) and closes it on close();
+    every record() but the last carries chunk_steps steps. Another client reads it all."""
+    n, steps = 3, 50
+    actions = sample_actions(gym.spaces.Discrete(2), steps, n, seed=6)
+    envs = RecordRollouts(
+        vector("sync", make_cartpole, n, SAME),
+        chunk_steps=16,
+        target=address,
+        session="owned",
+        worker_id="w0",
+    )
+    drive(envs, 1, actions)
+    recorder = envs.recorder
+    envs.close()
+    assert recorder._closed and envs.closed
+    assert recorder.stats.chunks_acked == 4  # 16 + 16 + 16 + 2 steps
+    with RolloutRecorder(target=address, session="owned") as reader:
+        traj = reader.finish()
+    check(traj, truth(make_cartpole, 1, actions, SAME), "recorder from kwargs")
+    envs.close()  # twice: nothing more
+
+
+def test_bad_use_is_refused_with_a_clear_error(address):
+    envs = vector("sync", make_cartpole, 2, NEXT)
+    with RolloutRecorder(target=address, session="bad") as recorder:
+        wrapped = RecordRollouts(envs, recorder)
+        with pytest.raises(RuntimeError, match=r"expected reset\(\) through the wrapper first"):
+            wrapped.step(np.zeros(2, np.int64))
+        with pytest.raises(TypeError, match=r"recorder_kwargs: expected none .* got \['session'\]"):
+            RecordRollouts(envs, recorder, session="x")
+        with pytest.raises(ValueError, match=r"chunk_steps: expected an integer >= 1, got 0"):
+            RecordRollouts(envs, recorder, chunk_steps=0)
+        envs.metadata = {**envs.metadata, "autoreset_mode": "sometimes"}
+        with pytest.raises(ValueError, match=r"autoreset_mode'\]: expected one of .* 'sometimes'"):
+            RecordRollouts(envs, recorder)
+    envs.close()
+
+    class Dotted(MixedEnv):
+        observation_space = spaces.Dict({"a": spaces.Dict({"b.c": spaces.Discrete(3)})})
+
+    with pytest.raises(ValueError, match=r"obs\.a: expected Dict keys .* got 'b\.c'"):
+        RecordEpisodes(Dotted(), recorder)
+
+    class Texty(MixedEnv):
+        observation_space = spaces.Tuple((spaces.Discrete(2), spaces.Text(5)))
+
+    with pytest.raises(TypeError, match=r"obs\.1: expected a space of kind Box, .* got Text"):
+        RecordEpisodes(Texty(), recorder)
+
+    class DictAction(MixedEnv):
+        action_space = spaces.Dict({"a": spaces.Discrete(2)})
+
+    with pytest.raises(TypeError, match=r"env\.action_space: expected Box, Discrete, .* got Dict"):
+        RecordEpisodes(DictAction(), recorder)
