@@ -20,6 +20,7 @@ from __future__ import annotations
 from baselines import raw_scenario, ray_scenario
 from finish import rows_finish, run_finish
 from fleet import fleet_scenario, steady_scenario
+from gym_wrapper import rows_gym_record_rollouts, run_gym_record_rollouts
 from harness import PREVIOUS_CORE, Scenario
 from ingest import ingest_scenario, rows_idle_streams, rows_previous_core
 from jax_rollout import rows_latency_jax, run_latency_jax
@@ -52,6 +53,12 @@ SCENARIOS: list[Scenario] = [
         run_sb3_ppo,
         rows_sb3_ppo,
         description="SB3 PPO training steps/s with RecorderCallback vs without, in turns",
+    ),
+    Scenario(
+        "gym_record_rollouts",
+        run_gym_record_rollouts,
+        rows_gym_record_rollouts,
+        description="RecordRollouts on CartPole, 8 SyncVectorEnv envs, against the bare loop",
     ),
     Scenario("finish", run_finish, rows_finish, description="finish() on >= 20k episodes"),
     Scenario(

@@ -1,0 +1,92 @@
+"""What recording costs a Gymnasium loop: the `gym_record_rollouts` scenario.
+
+CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
+the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a local
+server, side by side: the two take turns round by round (the order alternating), so that
+both see the same background load. A wrapped round's clock runs until `close()` has flushed
+its last chunk to the server. The row is env steps per second (vector steps x 8), wrapped
+against bare; the target reads the median of the rounds' ratios.
+
+gymnasium comes with the dev extra (the tests run it); without it the scenario is skipped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+from harness import Context, Row, Skipped
+
+NUM_ENVS = 8
+
+
+def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
+    try:
+        import gymnasium as gym
+    except ImportError as exc:
+        raise Skipped(f"gymnasium is not installed ({exc}); it is in the dev extra") from None
+    from recorder_client import RolloutRecorder
+    from recorder_client.gymnasium import RecordRollouts
+
+    rounds, steps = (3, 3000) if ctx.quick else (9, 8000)
+    actions = np.random.default_rng(0).integers(0, 2, (steps, NUM_ENVS))
+
+    def make() -> Any:
+        return gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS)
+
+    def timed(envs: Any) -> float:
+        envs.reset(seed=0)
+        t0 = time.perf_counter()
+        for action in actions:
+            envs.step(action)
+        envs.close()  # the wrapper's: the last chunk flushed to the server
+        return steps * NUM_ENVS / (time.perf_counter() - t0)
+
+    server = ctx.server("gym_record_rollouts")
+    try:
+        recorder = RolloutRecorder(target=server.address, session="gym-wrapper")
+        timed(RecordRollouts(make(), recorder))  # warm up: connection, first chunk's layout
+        bare, wrapped = [], []
+        for r in range(rounds):
+            turns = [("bare", make), ("wrapped", lambda: RecordRollouts(make(), recorder))]
+            for name, build in turns if r % 2 == 0 else turns[::-1]:
+                (bare if name == "bare" else wrapped).append(timed(build()))
+        status = recorder.status()
+        recorder.close()
+    finally:
+        server.stop()
+    ratios = [w / b for w, b in zip(wrapped, bare)]
+    return {
+        "num_envs": NUM_ENVS,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "bare_env_steps_s": statistics.median(bare),
+        "wrapped_env_steps_s": statistics.median(wrapped),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "recorded_steps": status.num_recorded_steps,
+        "stepped": (rounds + 1) * steps * NUM_ENVS,
+        "gymnasium_version": gym.__version__,
+    }
+
+
+def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
+    r = results.get("gym_record_rollouts")
+    if not r:
+        return []
+    return [
+        Row(
+            "Gymnasium",
+            f"RecordRollouts on CartPole, {r['num_envs']} SyncVectorEnv envs: env steps/s "
+            f"recording to a local server (median of {r['rounds']} rounds' ratio "
+            f"{r['ratio']:.3f})",
+            r["wrapped_env_steps_s"],
+            r["bare_env_steps_s"],
+            "the same loop without the wrapper",
+            "steps/s",
+            "higher",
+            digits=0,
+        )
+    ]
