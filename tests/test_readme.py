@@ -53,12 +53,15 @@ def run_example(code: str, tmp_path: Path) -> str:
     return out.stdout
 
 
-def test_readme_is_a_front_door_of_at_most_150_lines():
+def test_readme_is_a_front_door_of_at_most_170_lines():
     lines = README.read_text().splitlines()
-    assert len(lines) <= 150, f"README.md: expected at most 150 lines, got {len(lines)}"
+    assert len(lines) <= 170, f"README.md: expected at most 170 lines, got {len(lines)}"
     text = "\n".join(lines)
-    for needed in ("make demo", "make test", "| `trajectories.action` |", "## What next"):
+    for needed in ("make demo", "make test", "| `action` |", "| `obs` |", "## What next"):
         assert needed in text, f"README.md: expected {needed!r}"
+    # The contract, then the Gymnasium example, come right after the quick start.
+    headings = re.findall(r"^## (.*)$", text, re.M)
+    assert headings[:3] == ["Quick start", "What `record()` takes", "Record a Gymnasium loop"]
 
 
 @pytest.mark.parametrize(
@@ -71,43 +74,51 @@ def test_example_scripts_are_the_readme_blocks(heading, path):
     )
 
 
-def gym_truth(num_envs: int, length: int, chunks: int) -> tuple[int, float]:
-    """Episodes finished and their mean return, from CartPole's own returns: the same seeds,
-    the same actions, SAME_STEP autoreset (a done step ends an episode, the next step begins
-    the next one)."""
+def gym_truth(num_envs: int, steps: int) -> tuple[int, float, int, int]:
+    """Episodes finished, their mean return, the truncated ones and the unfinished tails,
+    from CartPole's own returns: the same seeds, the same actions, Gymnasium's default
+    next-step autoreset (the step after a done only resets, with reward 0)."""
     import gymnasium as gym
 
-    envs = gym.make_vec(
-        "CartPole-v1",
-        num_envs,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-    )
+    envs = gym.make_vec("CartPole-v1", num_envs, vectorization_mode="sync")
     envs.reset(seed=0)
     envs.action_space.seed(0)
     running = np.zeros(num_envs)
     returns: list[float] = []
-    for _ in range(chunks * length):
+    truncations = 0
+    pending = np.zeros(num_envs, dtype=bool)  # the next step is an autoreset step
+    open_steps = np.zeros(num_envs, dtype=int)  # steps of the episode under way
+    for _ in range(steps):
         _, reward, terminated, truncated, _ = envs.step(envs.action_space.sample())
         running += reward
-        for env in np.flatnonzero(terminated | truncated):
+        truncations += int(truncated.sum())
+        open_steps += ~pending
+        pending = terminated | truncated
+        open_steps[pending] = 0
+        for env in np.flatnonzero(pending):
             returns.append(running[env])
             running[env] = 0.0
     envs.close()
-    return len(returns), float(np.mean(returns))
+    tails = int((open_steps > 0).sum())
+    return len(returns), float(np.mean(returns)), truncations, tails
 
 
 def test_gymnasium_example_runs_as_printed(tmp_path):
     code = python_block(GYM_HEADING)
     # The truth below follows these settings; a change to them must change it too.
-    for setting in ("T, N = 64, 8", "range(10)", "reset(seed=0)", "action_space.seed(0)"):
+    for setting in ('"CartPole-v1", 8,', "range(640)", "reset(seed=0)", "action_space.seed(0)"):
         assert setting in code, f"the Gymnasium example: expected {setting!r}"
     stdout = run_example(code, tmp_path)
     match = re.search(r"^(\d+) episodes finished, mean return ([\d.]+)$", stdout, re.M)
     assert match, f"the Gymnasium example printed:\n{stdout}"
-    episodes, mean_return = gym_truth(num_envs=8, length=64, chunks=10)
+    episodes, mean_return, truncations, tails = gym_truth(num_envs=8, steps=640)
     assert int(match.group(1)) == episodes
     assert abs(float(match.group(2)) - mean_return) <= 0.006  # printed to 2 decimals
+    # The observations: one row per episode, the unfinished tails included.
+    match = re.search(r"^observations \((\d+), (\d+), 4\), (\d+) truncated$", stdout, re.M)
+    assert match, f"the Gymnasium example printed:\n{stdout}"
+    assert int(match.group(1)) == episodes + tails
+    assert int(match.group(3)) == truncations
 
 
 JAX_TRUTH = """
