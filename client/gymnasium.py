@@ -128,6 +128,7 @@ class _Rows:
         self.plain = leaves[0][0] == ()  # one array, no Dict/Tuple around it
         self.action_spec = (action_space.shape, action_space.dtype)
         self.T, self.n, self.mode = chunk_steps, num_envs, mode
+        self.reset_cancels_autoreset = True
         self.started = False
         self.sent_steps = 0
         # NEXT_STEP: which environments' row 0 is an autoreset row, and resets that cancelled
@@ -146,12 +147,14 @@ class _Rows:
         self.truncated = np.empty((T, n), bool)
         self.final: list[np.ndarray] | None = None  # made when a final observation arrives
         self.final_set: np.ndarray | None = None
+        self.cut: np.ndarray | None = None  # rows whose truncated flag a reset() set
         self.t = 0
 
     def _finals(self) -> list[np.ndarray]:
         if self.final is None:
             self.final = [np.zeros((self.T, self.n, *s), d) for s, d in self.leaf_specs]
             self.final_set = np.zeros((self.T, self.n), dtype=bool)
+            self.cut = np.zeros((self.T, self.n), dtype=bool)
         return self.final
 
     def add(self, action: Any, obs: Any, reward: Any, terminated: Any, truncated: Any) -> None:
@@ -192,20 +195,23 @@ class _Rows:
         """A reset() of the environments in `mask` (all when None) returned `obs`."""
         t = self.t
         m = np.ones(self.n, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+        env_pending = np.zeros(self.n, dtype=bool)  # the env's own autoreset flag
         if self.started and t > 0:
             r = t - 1
             ended = self.terminated[r] | self.truncated[r]
+            finals = self._finals()
+            env_pending = ended & ~self.cut[r]  # the flags the env returned
             cut = m & ~ended  # episodes under way: cut here
             if self.mode == AutoresetMode.NEXT_STEP:
                 cut &= ~self._pending(r)
-            finals = self._finals()
             save = cut | (m & ended & ~self.final_set[r])  # before obs[t] is overwritten
             for buf, final in zip(self.obs, finals):
                 final[r][save] = buf[t][save]
             self.final_set[r] |= save
             self.truncated[r] |= cut
+            self.cut[r] |= cut
         if self.mode == AutoresetMode.NEXT_STEP:
-            self.unpend.append((t, m))
+            self.unpend.append((t, m if self.reset_cancels_autoreset else m & ~env_pending))
         for get, buf in zip(self.getters, self.obs):
             value = np.asarray(get(obs))
             if mask is None:
@@ -308,6 +314,12 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
         )
         self.recorder, self._owned = _recorder(recorder, recorder_kwargs)
         rows.recorder = self.recorder
+        # Gymnasium 1.x's AsyncVectorEnv without shared memory keeps a worker's pending
+        # next-step autoreset across reset(): the step after it only resets again.
+        unwrapped = envs.unwrapped
+        rows.reset_cancels_autoreset = not (
+            isinstance(unwrapped, gymnasium.vector.AsyncVectorEnv) and not unwrapped.shared_memory
+        )
         self._rows = rows
         self._same_step = mode == AutoresetMode.SAME_STEP
         self._done = False

@@ -110,10 +110,15 @@ class Episode:
         self.terminated, self.truncated, self.final = bool(terminated), bool(truncated), final
 
 
-def truth(make_env, seed, actions, mode, interrupts=None):
+def truth(
+    make_env, seed, actions, mode, interrupts=None, reset_cancels_autoreset=True, autoresets=None
+):
     """Per environment, its episodes in time order: `actions` (K, N, ...) replayed on N
     single environments seeded seed + i as a vector env seeds them. `interrupts`: step ->
-    reset mask (None: all) of a reset() called before that step."""
+    reset mask (None: all) of a reset() called before that step. `reset_cancels_autoreset`
+    False: a reset() leaves a pending next-step autoreset pending (what Gymnasium 1.x's
+    AsyncVectorEnv does without shared memory). `autoresets`, a dict: filled with each env's
+    next-step autoreset steps."""
     interrupts = interrupts or {}
     out = []
     for i in range(actions.shape[1]):
@@ -128,8 +133,10 @@ def truth(make_env, seed, actions, mode, interrupts=None):
                     episodes.append(cur)
                     cur = Episode()
                 obs, _ = env.reset()
-                pending = False
+                pending = pending and not reset_cancels_autoreset
             if mode == NEXT and pending:  # the autoreset step: the action is ignored
+                if autoresets is not None:
+                    autoresets.setdefault(i, set()).add(k)
                 obs, _ = env.reset()
                 pending = False
                 continue
@@ -249,9 +256,9 @@ def recorded(address, session, envs, drive_it, chunk_steps=64):
         return recorder.finish()
 
 
-def vector(kind, make_env, n, mode):
+def vector(kind, make_env, n, mode, **kwargs):
     cls = SyncVectorEnv if kind == "sync" else AsyncVectorEnv
-    return cls([make_env] * n, autoreset_mode=mode)
+    return cls([make_env] * n, autoreset_mode=mode, **kwargs)
 
 
 # -- the tests ---------------------------------------------------------------------------
@@ -302,6 +309,30 @@ def test_resets_mid_run_cut_episodes_as_truncated(address, mode):
     expected = truth(make_mixed, 9, actions, mode, interrupts)
     eps = check(traj, expected, f"Dict env sync {mode.value}, resets mid-run")
     assert sum(e.cut for e in eps) >= 5
+
+
+def test_async_without_shared_memory_keeps_autoreset_pending_across_reset(address):
+    """Gymnasium 1.x's AsyncVectorEnv(shared_memory=False) does not clear a worker's pending
+    next-step autoreset on reset(): the step after only resets again. The wrapper records
+    what the env did: that row is no step of any episode."""
+    n, steps = 4, 150
+    actions = sample_actions(MixedEnv.action_space, steps, n, seed=3)
+    # Reset envs whose next step is an autoreset step (and others) at a few steps.
+    interrupts, hits = {}, 0
+    for k in (20, 45, 70, 101):
+        pending = {}
+        truth(make_mixed, 13, actions, NEXT, interrupts, False, autoresets=pending)
+        mask = np.array([k in pending.get(i, ()) for i in range(n)])
+        hits += int(mask.sum())
+        mask[k % n] = True
+        interrupts[k] = mask
+    envs = vector("async", make_mixed, n, NEXT, shared_memory=False)
+    traj = recorded(
+        address, "async-no-shm", envs, lambda e: drive(e, 13, actions, interrupts), chunk_steps=32
+    )
+    expected = truth(make_mixed, 13, actions, NEXT, interrupts, reset_cancels_autoreset=False)
+    check(traj, expected, "Dict env async (no shared memory) NextStep, resets mid-run")
+    assert hits >= 2
 
 
 def test_record_episodes_single_env_exact(address):
