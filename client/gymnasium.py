@@ -16,6 +16,9 @@ Autoreset (`envs.metadata["autoreset_mode"]`), by Gymnasium's documented rules:
 - `DISABLED`: the caller resets finished environments (`reset(options={"reset_mask": ...})`);
   the final observation is the one the done step returned.
 
+A `reset()` cancels a pending next-step autoreset, except in Gymnasium 1.x's `AsyncVectorEnv`
+without shared memory, whose workers reset again on the next step: recorded as it happens.
+
 A `reset()` of an environment whose episode is under way (no flag ended it) ends that episode
 as **truncated** on its last recorded step, with the observation the environment was left in
 as its final one: the episode was cut from outside the MDP, which is what `truncated` means
