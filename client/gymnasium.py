@@ -244,8 +244,11 @@ class _Rows:
             for buf, final in zip(self.obs, finals):
                 where = missing.reshape(missing.shape + (1,) * (final.ndim - 2))
                 np.copyto(final, buf[1 : T + 1], where=where)
+        action = self.action[:T]
+        if action.ndim > 3:  # record() takes (T, N, P): a Box of more dimensions, flattened
+            action = action.reshape(T, self.n, -1)
         chunk = {
-            "action": self.action[:T],
+            "action": action,
             "reward": self.reward[:T],
             "terminated": terminated,
             "truncated": truncated,
@@ -293,7 +296,7 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
     so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
     sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
     next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation
-    is recorded.
+    is recorded. A Box action of more than one dimension is recorded flattened, `(T, N, P)`.
     """
 
     def __init__(

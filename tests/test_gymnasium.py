@@ -201,7 +201,8 @@ def mismatches(traj, expected):
             bad.append(f"episode {b}: length {traj.lengths[b]} != {n}")
             continue
         got_a = traj.actions[b, :n]
-        if not np.array_equal(got_a, np.asarray(ep.actions, got_a.dtype)):
+        want_a = np.asarray(ep.actions, got_a.dtype).reshape(n, *got_a.shape[1:])  # (T, P)
+        if not np.array_equal(got_a, want_a):
             bad.append(f"episode {b}: actions")
         if not np.array_equal(traj.rewards[b, :n], np.asarray(ep.rewards, np.float32)):
             bad.append(f"episode {b}: rewards")
@@ -351,6 +352,28 @@ def test_record_episodes_single_env_exact(address):
     expected = truth(make_mixed, 11, actions, DISABLED, {53: None, 125: None})
     eps = check(traj, expected, "RecordEpisodes")
     assert any(e.cut for e in eps)
+
+
+def test_box_actions_of_two_dimensions_are_recorded_flattened(address):
+    class Grid(MixedEnv):
+        action_space = spaces.Box(-1, 1, (2, 3), np.float32)
+
+        def step(self, action):
+            return super().step(np.asarray(action).sum(axis=1))
+
+    actions = sample_actions(Grid.action_space, 40, 1, seed=8)
+    with RolloutRecorder(target=address, session="grid") as recorder:
+        env = RecordEpisodes(gym.wrappers.TimeLimit(Grid(), MAX_STEPS), recorder)
+        env.reset(seed=2)
+        for action in actions[:, 0]:
+            _, _, terminated, truncated, _ = env.step(action)
+            if terminated or truncated:
+                env.reset()
+        env.close()
+        traj = recorder.finish()
+    assert traj.actions.shape[2:] == (6,)
+    make = lambda: gym.wrappers.TimeLimit(Grid(), MAX_STEPS)  # noqa: E731
+    check(traj, truth(make, 2, actions, DISABLED), "Box (2, 3) actions")
 
 
 def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address):
