@@ -267,17 +267,17 @@ def vector(kind, make_env, n, mode, **kwargs):
 
 @pytest.mark.parametrize("mode", [NEXT, SAME])
 def test_cartpole_sync_8_envs_exact(address, mode):
-    n, steps = 8, 700
+    n, steps = 8, 1500
     actions = sample_actions(gym.spaces.Discrete(2), steps, n)
     envs = vector("sync", make_cartpole, n, mode)
     traj = recorded(address, f"cartpole-{mode.value}", envs, lambda e: drive(e, 3, actions))
     eps = check(traj, truth(make_cartpole, 3, actions, mode), f"CartPole sync {mode.value}")
-    assert len(eps) > 150
+    assert len(eps) > 400
 
 
 @pytest.mark.parametrize("mode", [NEXT, SAME])
 def test_dict_env_async_8_processes_exact(address, mode):
-    n, steps = 8, 300
+    n, steps = 8, 600
     actions = sample_actions(MixedEnv.action_space, steps, n)
     envs = vector("async", make_mixed, n, mode)  # the processes fork before any recorder
     traj = recorded(address, f"mixed-async-{mode.value}", envs, lambda e: drive(e, 5, actions))
