@@ -267,14 +267,16 @@ class _Rows:
                     pending &= ~mask
             chunk["valid"] = valid
             self.pending0, self.unpend = pending, []
-        self.recorder.record(chunk)
         self.sent_steps += T
-        # record() keeps references: the next chunk gets buffers of its own.
+        # record() keeps references: the next chunk gets buffers of its own. They are in
+        # place before it is called: an error it raises (a refusal of an earlier chunk, say)
+        # must not leave these rows to be sent twice.
         carry = [buf[T] for buf in self.obs]
         self.obs = [np.empty_like(buf) for buf in self.obs]
         for buf, row in zip(self.obs, carry):
             buf[0] = row
         self._new_chunk()
+        self.recorder.record(chunk)
 
 
 def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple[Any, bool]:
