@@ -45,6 +45,9 @@ class _Metrics:
     def observe_episodes(self, *args, **kwargs) -> None:
         pass
 
+    def observe_feed(self, *args, **kwargs) -> None:
+        pass
+
 
 def _config(capacity: int) -> TrajectoryTrainingConfiguration:
     return TrajectoryTrainingConfiguration(

@@ -479,3 +479,50 @@ def test_docs_table_is_the_catalogue() -> None:
     assert docs.read_text() == markdown(), (
         "regenerate: python -m recorder_server.metrics.catalog > docs/metrics.md"
     )
+
+
+def test_observe_feed_leaves_what_the_three_calls_it_replaces_leave(tmp_path: Path) -> None:
+    """The feeder's one call per batch: the same values, histograms and sink rows as inc,
+    observe_episodes per chunk and log_many at the batch's last step."""
+    chunks = [([1.0, -3.0], [10, 20], 8), ([7.5], [5], 16)]
+    scalars = {"Trajectories/episodes_captured": 3.0, "Trajectories/store_enabled": 0.0}
+    trackers = []
+    for name in ("calls", "feed"):
+        jsonl = tmp_path / f"{name}.jsonl"
+        config = MetricsConfig(jsonl_path=jsonl, jsonl_gate=WriteGate(min_interval_s=10.0))
+        t = MetricsTracker(config, clock=FakeClock())
+        if name == "calls":
+            t.inc("Recorder/episodes_finished", 3.0, session="s")
+            for returns, lengths, step in chunks:
+                t.observe_episodes(returns, lengths, step, session="s")
+            t.log_many(scalars, 16, session="s")
+        else:
+            t.observe_feed({"Recorder/episodes_finished": 3.0}, chunks, scalars, 16, session="s")
+        t.flush()
+        trackers.append((t, jsonl))
+    (calls, calls_jsonl), (feed, feed_jsonl) = trackers
+    try:
+        assert feed.snapshot() == calls.snapshot()
+        assert feed.snapshot()["Episode/count/session=s"] == 3
+        assert feed.snapshot()["Episode/return_min/session=s"] == -3.0
+        assert generate_latest(feed.registry) == generate_latest(calls.registry)
+
+        def last_rows(path: Path) -> dict[str, float]:
+            rows = read_jsonl(path)
+            # The sink's writes differ: the gate opened at step 8 for the first of the three
+            # calls (its summary and the counter written then), once at 16 for the batch.
+            count = sum(x["value"] for x in rows if x["tag"] == "Episode/count/session=s")
+            last = {x["tag"]: x["value"] for x in rows if not x["tag"].startswith("Episode/")}
+            return last | {"episodes summarised": count}
+
+        assert last_rows(feed_jsonl) == last_rows(calls_jsonl)
+        assert last_rows(feed_jsonl)["episodes summarised"] == 3
+        steps = {x["tag"]: x["step"] for x in read_jsonl(feed_jsonl)}
+        assert steps["Trajectories/episodes_captured/session=s"] == 16
+        with pytest.raises(ValueError, match="lengths: expected 2 values"):
+            feed.observe_feed({}, [([1.0, 2.0], [3], 24)], {}, 24, session="s")
+        with pytest.raises(ValueError, match="amount must be >= 0"):
+            feed.observe_feed({"Recorder/episodes_finished": -1.0}, [], {}, 24, session="s")
+    finally:
+        calls.close()
+        feed.close()

@@ -3,8 +3,9 @@ and length), for the recent mean return and for histograms whose buckets follow 
 the episodes actually span.
 
 `EpisodeWindow` wraps the server's metrics object (a `MetricsTracker` or `NullMetrics`):
-every call goes through to it unchanged, and the episodes that `observe_episodes` reports are
-also kept here. It costs the ingest path one array copy per chunk that finishes episodes.
+every call goes through to it unchanged, and the episodes that `observe_episodes` and
+`observe_feed` report are also kept here. It costs the ingest path one array copy per chunk
+that finishes episodes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,21 @@ class EpisodeWindow:
         self, returns: np.ndarray, lengths: np.ndarray, step: int, **labels: object
     ) -> None:
         self._metrics.observe_episodes(returns, lengths, step, **labels)
+        self._keep_episodes(returns, lengths, labels)
+
+    def observe_feed(
+        self,
+        counters: Any,
+        episodes: list[tuple[np.ndarray, np.ndarray, int]],
+        scalars: Any,
+        step: int,
+        **labels: object,
+    ) -> None:
+        self._metrics.observe_feed(counters, episodes, scalars, step, **labels)
+        for returns, lengths, _ in episodes:
+            self._keep_episodes(returns, lengths, labels)
+
+    def _keep_episodes(self, returns: Any, lengths: Any, labels: dict[str, object]) -> None:
         session = labels.get("session")
         if session is None:
             return

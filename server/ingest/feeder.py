@@ -297,18 +297,18 @@ class EpisodeFeeder:
         recorded = self._record([c for c in closed if c.finished.lengths.size])
         if self.store is not None:
             self._note_ids(items, closed)
-        labels = {"session": self.session}
         if recorded:
+            # One tracker call per batch: the counter; every episode, for the histograms and
+            # the sinks' summaries, stamped with the env steps after the chunk that finished
+            # it; and the store's gauges, at the batch's last chunk's step.
             finished = sum(c.finished.lengths.size for c in recorded)
-            self.metrics.inc("Recorder/episodes_finished", float(finished), **labels)
-        for c in recorded:
-            # Every episode reaches the histograms and the sinks' summaries, stamped with the
-            # env steps after the chunk that finished it.
-            lengths, returns = c.finished.lengths, c.finished.returns
-            self.metrics.observe_episodes(returns, lengths, c.step_after, **labels)
-        if recorded:
-            # The store's gauges once per call, at its last chunk's step.
-            self.processor.log_metrics(recorded[-1].step_after)
+            self.metrics.observe_feed(
+                {"Recorder/episodes_finished": float(finished)},
+                [(c.finished.returns, c.finished.lengths, c.step_after) for c in recorded],
+                self.processor.metric_values(),
+                recorded[-1].step_after,
+                session=self.session,
+            )
         # After recording: the episodes just recorded may read the chunks this drops.
         if self.store is not None:
             for index in {item.worker for item in items}:

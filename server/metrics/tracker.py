@@ -86,6 +86,7 @@ from .model import (
     summary_values,
 )
 from .names import fold_tag, label_key, prometheus_name
+from .null import NullMetrics
 from .sinks import PrometheusCollector, PrometheusEndpoint, PromRow, Row
 
 __all__ = [
@@ -255,6 +256,74 @@ class MetricsTracker:
             self._unfolded.add(key)
             if ep.pending_n >= _FOLD_AT:
                 self._fold(key, ep)
+            if self._push:
+                due = self._due(step, now)
+        if due:
+            self._write(due)
+
+    def observe_feed(
+        self,
+        counters: Mapping[str, float],
+        episodes: list[tuple[np.ndarray, np.ndarray, int]],
+        scalars: Mapping[str, float],
+        step: int,
+        **labels: object,
+    ) -> None:
+        """What the episode feeder reports per batch of chunks, under one lock: ``inc`` of
+        each counter, ``observe_episodes`` of each (returns, lengths, step), ``log_many`` of
+        the scalars at ``step`` (the batch's last); the gates are checked once, at ``step``.
+        A chunk's calls cost the feeder one lock, clock read and label key, not three."""
+        step = operator.index(step)
+        amounts = [(tag, float(a)) for tag, a in counters.items()]
+        for tag, amount in amounts:
+            if not amount >= 0:
+                raise ValueError(f"counter {tag!r}: amount must be >= 0, got {amount!r}")
+        batches = []
+        for returns, lengths, at in episodes:
+            returns = np.array(returns, dtype=np.float64).reshape(-1)
+            lengths = np.array(lengths, dtype=np.float64).reshape(-1)
+            if returns.size != lengths.size:
+                raise ValueError(
+                    f"lengths: expected {returns.size} values (one per return), got {lengths.size}"
+                )
+            if returns.size:
+                batches.append((returns, lengths, operator.index(at)))
+        lkey = label_key(labels) if labels else ()
+        now = self._clock()
+        due = None
+        with self._lock:
+            for tag, amount in amounts:
+                key: object = (tag, lkey) if labels else tag
+                self._seq = seq = self._seq + 1
+                old = self._counters.get(key)
+                if old is None:
+                    self._table.register(key, tag, lkey, COUNTER)
+                    self._counters[key] = (amount, seq)
+                else:
+                    self._counters[key] = (old[0] + amount, seq)
+            if batches:
+                ekey: object = (EPISODES, lkey)
+                ep = self._episodes.get(ekey)
+                if ep is None:
+                    self._table.register(ekey, RETURN_TAG, lkey, EPISODES)
+                    folded = tuple(fold_tag(t, dict(lkey)) for t in EPISODE_TAGS)
+                    bins = (self._return_bounds.size + 1, self._length_bounds.size + 1)
+                    ep = self._episodes[ekey] = Episodes(*bins, folded)
+                ep.pending.extend(batches)
+                ep.pending_n += sum(b[0].size for b in batches)
+                self._unfolded.add(ekey)
+                if ep.pending_n >= _FOLD_AT:
+                    self._fold(ekey, ep)
+            self._seq = seq = self._seq + 1
+            for tag, value in scalars.items():
+                key = (tag, lkey) if labels else tag
+                if key not in self._scalars:
+                    self._table.register(key, tag, lkey, SCALAR)
+                self._scalars[key] = (float(value), step, seq)
+            self._step = step
+            self._last_value = now
+            if "session" in labels:
+                self._session_step[str(labels["session"])] = step
             if self._push:
                 due = self._due(step, now)
         if due:
@@ -527,48 +596,3 @@ class MetricsTracker:
             )
             rows.extend(histogram_rows(s, histograms, self.config.namespace))
         return rows
-
-
-class NullMetrics:
-    """A tracker that keeps nothing: `serve --no-metrics`, the baseline for metrics cost."""
-
-    registry = None
-    current_step = 0
-
-    def log(self, tag: str, value: float, step: int, **labels: object) -> None:
-        pass
-
-    def log_many(self, values: Mapping[str, float], step: int, **labels: object) -> None:
-        pass
-
-    def inc(self, tag: str, amount: float = 1.0, **labels: object) -> None:
-        pass
-
-    def inc_many(self, amounts: Mapping[str, float], **labels: object) -> None:
-        pass
-
-    def set(self, tag: str, value: float, **labels: object) -> None:
-        pass
-
-    def observe_episodes(
-        self, returns: np.ndarray, lengths: np.ndarray, step: int, **labels: object
-    ) -> None:
-        pass
-
-    def flush_idle(self) -> None:
-        pass
-
-    def snapshot(self) -> dict[str, float]:
-        return {}
-
-    def forget(self, **labels: object) -> int:
-        return 0
-
-    def start_http(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        raise ValueError("metrics: --metrics-listen needs metrics; the server runs --no-metrics")
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -269,12 +269,16 @@ class TrajectoryCaptureProcessor:
 
     def log_metrics(self, step: int) -> None:
         """Emit every ``Trajectories/*`` metric in one ``metrics.log_many`` call."""
+        self._metrics.log_many(self.metric_values(), step)
+
+    def metric_values(self) -> dict[str, float]:
+        """Every ``Trajectories/*`` metric by its tag: what `log_metrics` logs."""
         with self._lock:
             values = {METRIC_PREFIX + k: float(v) for k, v in self._counters.items()}
         values[METRIC_PREFIX + "store_enabled"] = float(self._store is not None)
         if self._store is not None:
             values.update({METRIC_PREFIX + k: v for k, v in self._store.metrics().items()})
-        self._metrics.log_many(values, step)
+        return values
 
     def snapshot_potential(
         self, utility_key: str, field_names: list[str]
