@@ -9,6 +9,8 @@ holds the clients back.
 `run_batched` coalesces the calls made in one turn of the loop (small chunks of many streams
 arriving together) into one trip to a pool thread and one wake-up of the loop back: for a
 chunk of a few KB, the two thread crossings cost more server CPU than the chunk's own work.
+Calls marked small (a few KB of request each) take their own `small_capacity` slots, so
+that hundreds of small actors fill batches without letting more big chunks in at once.
 """
 
 from __future__ import annotations
@@ -33,18 +35,25 @@ def default_threads() -> int:
 
 
 class Offload:
-    def __init__(self, threads: int, queue: int, name: str) -> None:
-        if threads < 1 or queue < 0:
-            raise ValueError(f"threads, queue: expected >= 1 and >= 0, got {threads}, {queue}")
+    def __init__(self, threads: int, queue: int, name: str, small_capacity: int = 64) -> None:
+        if threads < 1 or queue < 0 or small_capacity < 1:
+            raise ValueError(
+                f"threads, queue, small_capacity: expected >= 1, >= 0 and >= 1, got {threads}, "
+                f"{queue}, {small_capacity}"
+            )
         self.threads = threads
         self.capacity = threads + queue
+        self.small_capacity = small_capacity
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=name)
         self._slots: asyncio.Semaphore | None = None
+        self._small_slots: asyncio.Semaphore | None = None
         self.in_flight = 0
-        """Calls taken (running or queued for a thread); at most `capacity`."""
-        # Calls of this turn of the loop, not yet handed to a thread (run_batched).
-        self._batch: list[tuple[Callable[..., Any], tuple, asyncio.Future]] = []
-        self.max_batch = 64
+        """Calls taken (running or queued for a thread); at most `capacity` plus
+        `small_capacity` small ones."""
+        # Calls of this turn of the loop, not yet handed to a thread (run_batched), each with
+        # the slots it holds.
+        self._batch: list[tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.Semaphore]] = []
+        self.max_batch = small_capacity
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on a pool thread, once a slot is free."""
@@ -88,18 +97,23 @@ class Offload:
             raise
         return await future
 
-    async def run_batched(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_batched(self, fn: Callable[..., T], *args: Any, small: bool = False) -> T:
         """``fn(*args)`` on a pool thread, with the other calls made in this turn of the loop
-        (up to `max_batch`): one after the other on one thread, each its own result or error."""
+        (up to `max_batch`): one after the other on one thread, each its own result or error.
+        `small`: the call holds one of the `small_capacity` slots, not a `capacity` one."""
+        # Made on the loop that uses them (the pool is built before it runs).
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
-        await self._slots.acquire()
+        if self._small_slots is None:
+            self._small_slots = asyncio.Semaphore(self.small_capacity)
+        slots = self._small_slots if small else self._slots
+        await slots.acquire()
         self.in_flight += 1
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if not self._batch:
             loop.call_soon(self._hand_over, loop)
-        self._batch.append((fn, args, future))
+        self._batch.append((fn, args, future, slots))
         if len(self._batch) >= self.max_batch:
             self._hand_over(loop)
         return await future
@@ -108,19 +122,17 @@ class Offload:
         batch, self._batch = self._batch, []
         if not batch:
             return
-        slots = self._slots
-        assert slots is not None
 
         def work() -> None:
             outcomes = []
-            for fn, args, _ in batch:
+            for fn, args, _, _ in batch:
                 try:
                     outcomes.append((fn(*args), None))
                 except BaseException as exc:
                     outcomes.append((None, exc))
 
             def done() -> None:
-                for (_, _, future), (result, error) in zip(batch, outcomes, strict=True):
+                for (_, _, future, slots), (result, error) in zip(batch, outcomes, strict=True):
                     self.in_flight -= 1
                     slots.release()
                     if future.cancelled():
@@ -141,7 +153,7 @@ class Offload:
             error: BaseException = exc
             if isinstance(exc, RuntimeError):  # the pool was shut down: the server is stopping
                 error = RequestError(ErrorKind.SHUTTING_DOWN, "the server is stopping")
-            for _, _, future in batch:
+            for _, _, future, slots in batch:
                 self.in_flight -= 1
                 slots.release()
                 if not future.cancelled():

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DEFAULT_PART_BYTES = 4 << 20
+# Chunks up to this many bytes on the wire take the ingest pool's small-call slots: many
+# small actors then fill its batches (Offload.run_batched), in at most 64 x 64 KB of requests.
+_SMALL_CHUNK_BYTES = 64 << 10
 # Join waits at most this long for the store's compiled loops (loaded in about a second).
 _WARM_UP_S = 30.0
 
@@ -197,8 +200,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                         context, invalid("Record: expected a chunk, got `open` again")
                     )
                 try:
+                    chunk = request.chunk
                     reply = await self.ingest.run_batched(
-                        self._apply, session, worker_id, epoch, request.chunk
+                        self._apply,
+                        session,
+                        worker_id,
+                        epoch,
+                        chunk,
+                        small=chunk.ByteSize() <= _SMALL_CHUNK_BYTES,
                     )
                 except Exception as exc:
                     await self._abort(context, exc)
