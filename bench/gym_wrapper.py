@@ -2,8 +2,8 @@
 
 CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
 the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a local
-server, side by side: the two take turns in short rounds (the order alternating), so that
-both see the same background load. A wrapped round's clock runs until `close()` has flushed
+server (at the default 128 steps a `record()`, and at 512), side by side: the three take
+turns in short rounds (each first in turn), so that all see the same background load. A wrapped round's clock runs until `close()` has flushed
 its last chunk to the server. The row is env steps per second (vector steps x 8), wrapped
 against bare; the target reads the median of the rounds' ratios.
 
@@ -32,7 +32,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
 
     # Short rounds in many pairs: a pair sees nearly the same load, and the median of the
     # pairs' ratios drops the pairs a load swing split.
-    rounds, steps = (6, 1000) if ctx.quick else (30, 1500)
+    rounds, steps = (6, 1000) if ctx.quick else (30, 1200)
     actions = np.random.default_rng(0).integers(0, 2, (steps, NUM_ENVS))
 
     def make() -> Any:
@@ -54,31 +54,46 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     try:
         recorder = RolloutRecorder(target=server.address, session="gym-wrapper")
         timed(RecordRollouts(make(), recorder))  # warm up: connection, first chunk's layout
-        bare: list[tuple[float, float, float]] = []
-        wrapped: list[tuple[float, float, float]] = []
+        arms = {
+            "bare": make,
+            "wrapped": lambda: RecordRollouts(make(), recorder),
+            "wrapped_512": lambda: RecordRollouts(make(), recorder, chunk_steps=512),
+        }
+        runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
         for r in range(rounds):
-            turns = [("bare", make), ("wrapped", lambda: RecordRollouts(make(), recorder))]
-            for name, build in turns if r % 2 == 0 else turns[::-1]:
-                (bare if name == "bare" else wrapped).append(timed(build()))
+            order = list(arms)[r % 3 :] + list(arms)[: r % 3]  # each arm first in turn
+            for name in order:
+                runs[name].append(timed(arms[name]()))
         status = recorder.status()
         recorder.close()
     finally:
         server.stop()
-    ratios = [w[0] / b[0] for w, b in zip(wrapped, bare)]
+    bare, wrapped = runs["bare"], runs["wrapped"]
+
+    def ratio(arm: list[tuple[float, float, float]], i: int) -> float:
+        return statistics.median(w[i] / b[i] for w, b in zip(arm, bare))
+
     return {
         "num_envs": NUM_ENVS,
         "steps_per_round": steps,
         "rounds": rounds,
         "bare_env_steps_s": statistics.median(b[0] for b in bare),
         "wrapped_env_steps_s": statistics.median(w[0] for w in wrapped),
-        "ratio": statistics.median(ratios),
-        "ratios": ratios,
+        "ratio": ratio(wrapped, 0),
+        "ratios": [w[0] / b[0] for w, b in zip(wrapped, bare)],
         # The same per CPU second (less swayed by the machine's load than wall time): of the
         # whole process, and of the loop's thread alone (the wrapper and record() calls).
-        "cpu_ratio": statistics.median(w[1] / b[1] for w, b in zip(wrapped, bare)),
-        "loop_thread_cpu_ratio": statistics.median(w[2] / b[2] for w, b in zip(wrapped, bare)),
+        "cpu_ratio": ratio(wrapped, 1),
+        "loop_thread_cpu_ratio": ratio(wrapped, 2),
+        # The same wrapper sending 512 steps a record() (the client's cost is mostly per call).
+        "chunk_512": {
+            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_512"]),
+            "ratio": ratio(runs["wrapped_512"], 0),
+            "cpu_ratio": ratio(runs["wrapped_512"], 1),
+            "loop_thread_cpu_ratio": ratio(runs["wrapped_512"], 2),
+        },
         "recorded_steps": status.num_recorded_steps,
-        "stepped": (rounds + 1) * steps * NUM_ENVS,
+        "stepped": (2 * rounds + 1) * steps * NUM_ENVS,
         "gymnasium_version": gym.__version__,
     }
 
@@ -87,18 +102,24 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
     r = results.get("gym_record_rollouts")
     if not r:
         return []
-    return [
-        Row(
-            "Gymnasium",
-            f"RecordRollouts on CartPole, {r['num_envs']} SyncVectorEnv envs: env steps/s "
-            f"recording to a local server (median of {r['rounds']} rounds' ratio "
-            f"{r['ratio']:.3f}; per CPU second {r['cpu_ratio']:.3f}, of the loop's thread "
-            f"{r['loop_thread_cpu_ratio']:.3f})",
-            r["wrapped_env_steps_s"],
-            r["bare_env_steps_s"],
-            "the same loop without the wrapper",
-            "steps/s",
-            "higher",
-            digits=0,
+    rows = []
+    for label, res, wrapped in (
+        ("", r, r["wrapped_env_steps_s"]),
+        (", chunk_steps=512", r["chunk_512"], r["chunk_512"]["env_steps_s"]),
+    ):
+        rows.append(
+            Row(
+                "Gymnasium",
+                f"RecordRollouts on CartPole, {r['num_envs']} SyncVectorEnv envs{label}: env "
+                f"steps/s recording to a local server (median of {r['rounds']} rounds' ratio "
+                f"{res['ratio']:.3f}; per CPU second {res['cpu_ratio']:.3f}, of the loop's "
+                f"thread {res['loop_thread_cpu_ratio']:.3f})",
+                wrapped,
+                r["bare_env_steps_s"],
+                "the same loop without the wrapper",
+                "steps/s",
+                "higher",
+                digits=0,
+            )
         )
-    ]
+    return rows
