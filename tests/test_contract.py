@@ -309,3 +309,24 @@ def test_runtime_state_round_trip(target):
         check(_parts_finish(rec), expected)
     finally:
         rec.close()
+
+
+def test_final_obs_in_some_chunks_only(target):
+    """An episode whose last chunk had no final_obs reads zeros there; the others read
+    theirs, and tails zeros."""
+    done = np.array([[True], [False]])
+    with RolloutRecorder(target=target, session="somefinals") as rec:
+        for i, final in enumerate((np.full((2, 1, 2), 7.0), None, np.full((2, 1, 2), 9.0))):
+            chunk = {
+                "action": np.zeros((2, 1), np.int32),
+                "reward": np.zeros((2, 1), np.float32),
+                "done": done,
+                "obs": np.full((2, 1, 2), float(i)),
+            }
+            if final is not None:
+                chunk["final_obs"] = final
+            rec.record(chunk)
+        out = rec.finish()
+    assert out.lengths.tolist() == [1, 2, 2, 1]
+    assert out.final_states["obs"][:, 0].tolist() == [7.0, 0.0, 9.0, 0.0]
+    assert out.episode_done.tolist() == [True, True, True, False]
