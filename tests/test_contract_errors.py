@@ -228,8 +228,7 @@ RAW_BAD = {
     ),
     "too_many_fields": (
         {f"state:obs.{i}": np.zeros((T, N), bool) for i in range(1024)},
-        "chunk.states: expected at most 1024 state fields (observation fields included), "
-        "got 1025",
+        "chunk.states: expected at most 1024 state fields (observation fields included), got 1025",
     ),
     "state_not_allowed": (
         {"state:secret": np.zeros((T, N))},
