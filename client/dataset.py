@@ -10,12 +10,16 @@ Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique acros
 ``node``, ``generation`` (resets of the session so far), ``worker`` (its id), ``worker_index``
 (its place in join order on that node), ``env``, ``start`` (the episode's first step on the
 worker's time axis), ``step`` (within the episode), ``action``, ``reward`` (float32, as
-finish() returns it), ``done`` (true on an episode's last step), ``outcome`` (the episode's
+finish() returns it), ``done`` (true on an episode's last step), ``terminated`` and
+``truncated`` (the flag that ended the episode, on its last step; a done-only recording's are
+terminated), ``outcome`` (the episode's
 outcome code, on every row), ``store_trajectory`` (the episode's id in the node's trajectory
 store, which the store's references name; -1 without one), ``partial`` (why the episode is
 not whole: "" when it is, "gap_before" when chunks lost just before it hid its start,
 "corrupt" when it reads frames that did not decode, or several joined by "+"; files from
-before it lack the column) and one column per recorded state field under its trajectory name.
+before it lack the column), one column per recorded state field under its trajectory name
+(observations: ``obs``, ``obs.KEY``, ``obs.I``) and ``final.<column>`` per final observation
+recorded (``final_obs``), set on each episode's last step and null on every other row.
 A field with trailing dimensions is a fixed-size list of the flattened step; each file's
 Parquet metadata (``rollout_recorder``) holds the dtypes and shapes to restore. Names starting
 with ``_`` are skipped by Parquet readers (Arrow, Spark, DuckDB globs of ``*.parquet``).
@@ -57,6 +61,8 @@ FIXED_COLUMNS = (
     "action",
     "reward",
     "done",
+    "terminated",
+    "truncated",
     "outcome",
     "store_trajectory",
     "partial",
@@ -64,10 +70,20 @@ FIXED_COLUMNS = (
 _ORDER = ("node", "generation", "worker_index", "env", "start", "step")
 
 
+FINAL_PREFIX = "final."
+
+
 def state_column(state_field: str) -> str:
-    """The column of a state field: its trajectory name, unless the layout already uses it."""
+    """The column of a state field: its trajectory name, unless the layout already uses it
+    (a layout column, the partition, or a final observation's `final.` prefix)."""
     name = trajectory_name(state_field)
-    return f"state_{name}" if name in FIXED_COLUMNS or name == PARTITION else name
+    taken = name in FIXED_COLUMNS or name == PARTITION or name.startswith(FINAL_PREFIX)
+    return f"state_{name}" if taken else name
+
+
+def final_column(column: str) -> str:
+    """The column of a field's final observation (null except on episodes' last steps)."""
+    return FINAL_PREFIX + column
 
 
 def _require() -> tuple[Any, Any, Any]:
@@ -121,11 +137,14 @@ def open_dataset(
             f"{uri}: no episode files (expected {PARTITION}=NAME/part-*.parquet, written by "
             "serve --dataset-uri or rollout-recorder export)"
         )
-    # One schema per session directory: sessions may record different state fields.
-    first: dict[str, str] = {}
+    # The first and last file of each session directory: sessions may record different
+    # state fields, and a session's later files may hold columns its first lacks (written
+    # by a newer server).
+    ends: dict[str, list[str]] = {}
     for path in files:
-        first.setdefault(path.rsplit("/", 1)[0], path)
-    schemas = [ds.dataset(p, filesystem=fs, format="parquet").schema for p in first.values()]
+        ends.setdefault(path.rsplit("/", 1)[0], [path, path])[1] = path
+    picked = sorted({p for pair in ends.values() for p in pair})
+    schemas = [ds.dataset(p, filesystem=fs, format="parquet").schema for p in picked]
     partitioning = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
     return ds.dataset(
         files,
@@ -161,6 +180,10 @@ def read_episodes(
 ) -> Trajectory:
     """The finished episodes in a dataset, as the padded Trajectory finish() returns.
 
+    ``episode_terminated`` and ``episode_truncated`` come from the flags on each episode's
+    last step (files written before those columns: terminated), ``final_states`` from the
+    ``final.`` columns (zeros where null).
+
     Episodes the `partial` column marks (a sequence gap hid their start, or they read frames
     that did not decode) are left out unless ``include_partial``; ``episode_partial`` then
     says why each is not whole ("" when it is).
@@ -194,8 +217,18 @@ def read_episodes(
         where &= pc.field("node").isin([str(n) for n in nodes])
     rosters, meta = _rosters(dataset, session, nodes)
     fields = meta["fields"]
-    columns = list(_ORDER) + ["worker", "outcome"] + [f["column"] for f in fields]
-    marked = "partial" in dataset.schema.names  # files from before it have no such column
+    names = set(dataset.schema.names)
+    # Files from before these columns lack them: their rows read as null.
+    finals = [
+        {**f, "column": final_column(f["column"])}
+        for f in fields
+        if final_column(f["column"]) in names
+    ]
+    flagged = "terminated" in names
+    columns = list(_ORDER) + ["worker", "outcome"] + [f["column"] for f in fields + finals]
+    if flagged:
+        columns += ["terminated", "truncated"]
+    marked = "partial" in names
     if marked:
         columns.append("partial")
     table = dataset.to_table(columns=columns, filter=where)
@@ -240,6 +273,16 @@ def read_episodes(
             keys[key] = len(keys)
             worker_ids.append(str(wid[i]))
         position[i] = keys[key]
+    lasts = firsts + lengths - 1
+    terminated = np.ones(num, dtype=bool)  # a done-only recording's episodes: terminated
+    truncated = np.zeros(num, dtype=bool)
+    if flagged:
+        taken = table.select(["terminated", "truncated"]).take(pa.array(lasts))
+        terminated = pc.fill_null(taken["terminated"], True).to_numpy(zero_copy_only=False)
+        truncated = pc.fill_null(taken["truncated"], False).to_numpy(zero_copy_only=False)
+    final_states = {
+        spec["name"]: _finals(table[spec["column"]], lasts, spec, pa) for spec in finals
+    }
     t_max = int(lengths.max())
     out: dict[str, np.ndarray] = {}
     for spec in fields:
@@ -256,6 +299,9 @@ def read_episodes(
         episode_env=table["env"].to_numpy()[firsts].astype(np.int64),
         episode_start=table["start"].to_numpy()[firsts].astype(np.int64),
         episode_done=np.ones(num, dtype=bool),
+        episode_terminated=terminated.astype(bool),
+        episode_truncated=truncated.astype(bool),
+        final_states=final_states,
         worker_ids=worker_ids,
         episode_partial=(
             table["partial"].to_numpy(zero_copy_only=False)[firsts].astype(np.str_)
@@ -306,6 +352,17 @@ def _column(column: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         array = array.flatten()
     values = array.to_numpy(zero_copy_only=False)
     return values.astype(dtype, copy=False).reshape(len(column), *shape)
+
+
+def _finals(column: Any, lasts: np.ndarray, spec: dict[str, Any], pa: Any) -> np.ndarray:
+    """(B, *shape) final observations from their column's last-step rows (null: zeros)."""
+    dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
+    picked = column.take(pa.array(lasts)).combine_chunks()
+    out = np.zeros((lasts.size, *shape), dtype=dtype)
+    valid = picked.is_valid().to_numpy(zero_copy_only=False)
+    if valid.any():
+        out[valid] = _column(pa.chunked_array([picked.filter(pa.array(valid))]), dtype, shape)
+    return out
 
 
 def describe_fields(fields: list[dict[str, Any]]) -> str:

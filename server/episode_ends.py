@@ -66,11 +66,15 @@ def final_rows(
     end: np.ndarray,
     done: np.ndarray,
     out: np.ndarray,
-) -> None:
+) -> np.ndarray:
     """Write into ``out`` (one row per episode, zeros in) the ``final:<name>`` value of the
-    last step of each episode a done flag ended, where its chunk has one."""
+    last step of each episode a done flag ended, where its chunk has one; returns (B,) bool,
+    the episodes written."""
     key = FINAL + name
+    written = np.zeros(len(out), dtype=bool)
     for chunk, rows, t, e in _by_chunk(chunks, env, end, done):
         enc = chunk.arrays.get(key)
         if enc is not None:
             out[rows] = enc.decode(f"stored {key}")[t, e]
+            written[rows] = True
+    return written

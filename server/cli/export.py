@@ -104,7 +104,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             if minari:
                 observation: Any = default
                 if per_field:  # a field not recorded stays in, for the error naming it
-                    observation = {f: default for f in trajectory.states} | per_field
+                    observed = export.observation_names(trajectory)
+                    observation = dict.fromkeys(observed, default) | per_field
                 dataset_id = args.dataset_id or default_dataset_id(args.session)
                 export.write_minari(
                     trajectory,
@@ -147,8 +148,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Read a session's finished episodes from a running server (without "
         "joining it) and write them as Parquet files in the layout serve --dataset-uri "
         "writes, or as a Minari dataset (pip install 'rollout-recorder[minari]'). Minari "
-        "observations are the recorded state fields (a Dict when several; the step index "
-        "when none), each episode's last state repeated as its final observation.",
+        "observations are the recorded observations (obs fields, rebuilt into Dict/Tuple "
+        "spaces), else the state fields (a Dict when several; the step index when none); "
+        "each episode's final observation is its recorded final_obs, else its last one "
+        "repeated.",
     )
     parser.add_argument("--target", required=True, help="HOST:PORT or unix:PATH")
     parser.add_argument("--session", required=True, help="the session's name")
@@ -178,8 +181,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="[FIELD=]SPEC",
         action="append",
         default=[],
-        help="minari: the space of every observed state field, or of FIELD only (repeat the "
-        "flag for several); SPEC as for --action-space",
+        help="minari: the space of every observed field (obs fields, else state fields), or "
+        "of FIELD only, e.g. obs.pos=box (repeat the flag for several); SPEC as for "
+        "--action-space",
     )
     parser.add_argument(
         "--node-id",

@@ -7,13 +7,16 @@ Parquet: the files ``serve --dataset-uri`` would have written for these episodes
 
 Minari (0.5.x, ``pip install 'rollout-recorder[minari]'``): one Minari episode per recorded
 episode, in the Trajectory's order, stored in Minari's "arrow" format, lossless (no JPEG).
-A Minari episode of T steps holds T+1 observations; the recorded state at step t is
-observation t, and an episode's last state is repeated as its final observation (the state
-after the last action was never recorded). With several state fields the observation space
-is a Dict (one entry per field, by trajectory name); with none, the observation is the step
-index within the episode (0..T, int64). Actions are as recorded (int64 under a Discrete
-space, Minari's dtype for it); rewards are float32 as recorded; terminations are True on
-the last step of an episode a done flag ended; truncations are always False.
+A Minari episode of T steps holds T+1 observations: observation t is the one step t acted
+on, and the last is the episode's final observation (``final_obs``) when a flag ended it and
+one was recorded, else its last observation repeated. Observations are the observation
+fields (``obs``, ``obs.<key>``, ``obs.<i>``) rebuilt into the observation (a Dict space per
+key level, a Tuple per index level, nested) when they were recorded; otherwise, as before
+observations were a field, the state fields (a Dict of them by trajectory name when several)
+or, with none, the step index within the episode (0..T, int64). Actions are as recorded
+(int64 under a Discrete space, Minari's dtype for it); rewards are float32 as recorded;
+terminations and truncations are the terminated and truncated flags of each episode's last
+step (a recording with ``done`` only: terminated).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from typing import Any
 import numpy as np
 
 from recorder_client import dataset as client_dataset
+from recorder_client import unflatten
 from recorder_client._wire import STATE_TO_TRAJECTORY, check_session_name
 from recorder_client.trajectory import PARTIAL_NAMES, Trajectory
 
+from ..chunks import is_obs_field
 from . import layout, spaces
 from .sink import check_node_id
 
@@ -81,6 +86,8 @@ def write_parquet(
             "session"
         )
     fields = _field_specs(trajectory)
+    names = [_TO_STATE.get(n, n) for n in trajectory.final_states]
+    finals = layout.final_specs(fields, names)
     config = {
         "record_states": bool(trajectory.states),
         "state_fields": [_TO_STATE.get(n, n) for n in trajectory.states],
@@ -88,6 +95,9 @@ def write_parquet(
     }
     layout.describe(fs, root, session, fields, config)
     lengths = np.asarray(trajectory.lengths, dtype=np.int64)
+    terminated = np.asarray(trajectory.episode_terminated, dtype=bool)
+    truncated = np.asarray(trajectory.episode_truncated, dtype=bool)
+    ended = terminated | truncated  # the episodes whose final observation was recorded
     position = np.asarray(trajectory.episode_worker, dtype=np.int64)
     names = list(trajectory.worker_ids)
     # A hand-made Trajectory may lack worker ids: its positions name the workers then.
@@ -111,8 +121,12 @@ def write_parquet(
             values={f.column: trajectory.fields[f.name][rows][mask] for f in fields},
             roster=list(zip(names, range(len(names)))),
             partial=_flags(trajectory.episode_partial[rows]),
+            terminated=terminated[rows],
+            truncated=truncated[rows],
+            finals={f.column: trajectory.final_states[f.name][rows] for f in finals},
+            final_valid={f.column: ended[rows] for f in finals},
         )
-        data = layout.parquet_bytes(layout.episode_table(episodes, fields, config))
+        data = layout.parquet_bytes(layout.episode_table(episodes, fields, config, finals))
         layout.put_whole(fs, f"{directory}/{layout.file_name(node, 0, seq)}", data)
         written += len(data)
         if progress is not None:
@@ -186,12 +200,15 @@ def write_minari(
     """Write ``trajectory`` as the Minari dataset ``dataset_id`` under the Minari root
     ``root`` (what MINARI_DATASETS_PATH names when loading it); returns the MinariDataset.
 
-    Spaces are derived (see spaces.derive_action; observations: Box over each field's dtype
-    range) unless given: ``action_space`` as a Space or spec; ``observation_space`` as a Space
-    (a Dict with several fields), a spec for every field, or a mapping of field name to Space
-    or spec. ``observation_fields``: the state fields (trajectory names) to observe, default
-    all. ``progress`` gets raw bytes converted. MINARI_DATASETS_PATH is set to ``root`` while
-    this runs (Minari reads its root from there), so do not run two at once in one process.
+    Observations are the recorded observation fields (`obs`, `obs.<key>`, `obs.<i>`) rebuilt
+    into the observation itself (nested Dict / Tuple spaces) when there are any, else every
+    state field; ``observation_fields`` picks state fields (trajectory names) instead. Spaces
+    are derived (see spaces.derive_action; observations: Box over each field's dtype range)
+    unless given: ``action_space`` as a Space or spec; ``observation_space`` as a Space (the
+    env's own, nested, for observation fields; a Dict of the fields for several state
+    fields), a spec for every field, or a mapping of field name to Space or spec.
+    ``progress`` gets raw bytes converted. MINARI_DATASETS_PATH is set to ``root`` while this
+    runs (Minari reads its root from there), so do not run two at once in one process.
     """
     minari = require_minari()
     from minari.data_collector import EpisodeBuffer
@@ -201,13 +218,18 @@ def write_minari(
     lengths = np.asarray(trajectory.lengths, dtype=np.int64)
     if (lengths < 1).any():
         raise ValueError(f"trajectory.lengths: expected episodes of 1 step or more, got {lengths}")
-    fields = _observed(trajectory, observation_fields)
+    fields = observation_names(trajectory, observation_fields)
+    nested = observation_fields is None and bool(fields) and is_obs_field(fields[0])
     mask = trajectory.mask()
+    terminated = np.asarray(trajectory.episode_terminated, dtype=bool)
+    truncated = np.asarray(trajectory.episode_truncated, dtype=bool)
+    ended = terminated | truncated  # these episodes' final observations were recorded
+    finals = {f: trajectory.final_states[f] for f in fields if f in trajectory.final_states}
     act_space = _action_space(action_space, trajectory.actions[mask])
-    obs_space = _observation_space(observation_space, trajectory, fields, mask)
+    values = {f: _observed_values(trajectory, f, mask, finals, ended) for f in fields}
+    obs_space = _observation_space(observation_space, trajectory, values, nested)
     if description is None:
-        description = minari_description(trajectory, fields)
-    done = np.asarray(trajectory.episode_done, dtype=bool)
+        description = minari_description(trajectory, fields, nested)
     step_bytes = (
         trajectory.actions[0, 0].nbytes + 4 + sum(trajectory.states[f][0, 0].nbytes for f in fields)
     )
@@ -215,20 +237,27 @@ def write_minari(
     def episode(b: int) -> Any:
         n = int(lengths[b])
         if fields:
-            obs: Any = {f: _final_repeated(trajectory.states[f][b, :n]) for f in fields}
-            if len(fields) == 1:
-                obs = obs[fields[0]]
+            flat = {}
+            for f in fields:
+                steps = trajectory.states[f][b, :n]
+                last = finals[f][b : b + 1] if f in finals and ended[b] else steps[-1:]
+                flat[f] = np.concatenate([steps, last])
+            obs: Any = unflatten(flat) if nested else flat
+            if not nested and len(fields) == 1:
+                obs = flat[fields[0]]
             obs = _cast(obs, obs_space)
         else:
             obs = np.arange(n + 1, dtype=obs_space.dtype)
         terminations = np.zeros(n, dtype=bool)
-        terminations[-1] = done[b]
+        terminations[-1] = terminated[b]
+        truncations = np.zeros(n, dtype=bool)
+        truncations[-1] = truncated[b]
         return EpisodeBuffer(
             observations=obs,
             actions=trajectory.actions[b, :n].astype(act_space.dtype, copy=False),
             rewards=trajectory.rewards[b, :n],
             terminations=terminations,
-            truncations=np.zeros(n, dtype=bool),
+            truncations=truncations,
         )
 
     dataset = None
@@ -257,25 +286,30 @@ def write_minari(
     return dataset
 
 
-def minari_description(trajectory: Trajectory, fields: list[str]) -> str:
+def minari_description(trajectory: Trajectory, fields: list[str], nested: bool = False) -> str:
     """How the recorded arrays map to Minari's, stored as the dataset's description."""
-    if fields:
+    last = (
+        "; observation t is the one step t acted on, and each episode's final observation is "
+        "the recorded final_obs when a flag ended it, else its last observation repeated "
+        "(T+1 observations for T steps)"
+    )
+    if nested:
+        observed = f"the recorded observation fields {fields}, rebuilt as the observation" + last
+    elif fields:
         observed = (
             f"the recorded state fields {fields} (a Dict space)"
             if len(fields) > 1
             else f"the recorded state field {fields[0]!r}"
-        )
-        observed += (
-            "; the state recorded at step t is observation t, and each episode's last state "
-            "is repeated as its final observation (T+1 observations for T steps)"
-        )
+        ) + last
     else:
         observed = "the step index within the episode, 0..T (no state was recorded)"
     return (
         f"Rollout Recorder episodes ({trajectory.num_episodes}). Observations: {observed}. "
-        "Actions as recorded (as int64 under a Discrete space); rewards float32; terminations True on the last step of an "
-        "episode a done flag ended; truncations always False. Episode metadata: worker_id, "
-        "worker_index (join order), env, start (first step on the worker's time axis)."
+        "Actions as recorded (as int64 under a Discrete space); rewards float32; "
+        "terminations and truncations from the terminated and truncated flags on each "
+        "episode's last step (a recording with done only: terminated). Episode metadata: "
+        "worker_id, worker_index (join order), env, start (first step on the worker's time "
+        "axis)."
     )
 
 
@@ -304,9 +338,14 @@ def _datasets_path(root: str | os.PathLike[str]) -> Iterator[None]:
             os.environ["MINARI_DATASETS_PATH"] = old
 
 
-def _observed(trajectory: Trajectory, wanted: list[str] | tuple[str, ...] | None) -> list[str]:
+def observation_names(
+    trajectory: Trajectory, wanted: list[str] | tuple[str, ...] | None = None
+) -> list[str]:
+    """The fields a Minari export observes: ``wanted`` (state fields), else the observation
+    fields (`obs...`) when recorded, else every state field."""
     if wanted is None:
-        return list(trajectory.states)
+        names = [n for n in trajectory.states if is_obs_field(n)]
+        return names or list(trajectory.states)
     names = [STATE_TO_TRAJECTORY.get(w, w) for w in wanted]  # recorded names work too
     for w, name in zip(wanted, names):
         if name not in trajectory.states:
@@ -315,6 +354,44 @@ def _observed(trajectory: Trajectory, wanted: list[str] | tuple[str, ...] | None
                 f"got {w!r}"
             )
     return names
+
+
+def _observed_values(
+    trajectory: Trajectory, name: str, mask: np.ndarray, finals: dict, ended: np.ndarray
+) -> np.ndarray:
+    """Every observation of field ``name`` the export writes (steps, then finals)."""
+    values = trajectory.states[name][mask]
+    if name in finals and ended.any():
+        values = np.concatenate([values, finals[name][ended]])
+    return values
+
+
+def _space_of(node: Any) -> Any:
+    """The space of an unflattened structure of leaf spaces: Dict per dict, Tuple per tuple."""
+    from gymnasium.spaces import Dict, Tuple
+
+    if isinstance(node, dict):
+        return Dict({k: _space_of(v) for k, v in node.items()})
+    if isinstance(node, tuple):
+        return Tuple([_space_of(v) for v in node])
+    return node
+
+
+def _flat_space(space: Any, prefix: str = "obs") -> dict[str, Any]:
+    """A nested observation space as flat `obs...` names to leaf spaces."""
+    from gymnasium.spaces import Dict, Tuple
+
+    if isinstance(space, Dict):
+        out: dict[str, Any] = {}
+        for key, sub in space.spaces.items():
+            out |= _flat_space(sub, f"{prefix}.{key}")
+        return out
+    if isinstance(space, Tuple):
+        out = {}
+        for i, sub in enumerate(space.spaces):
+            out |= _flat_space(sub, f"{prefix}.{i}")
+        return out
+    return {prefix: space}
 
 
 def _action_space(given: SpaceArg, values: np.ndarray) -> Any:
@@ -329,29 +406,41 @@ def _action_space(given: SpaceArg, values: np.ndarray) -> Any:
 def _observation_space(
     given: SpaceArg | Mapping[str, SpaceArg],
     trajectory: Trajectory,
-    fields: list[str],
-    mask: np.ndarray,
+    values: dict[str, np.ndarray],
+    nested: bool,
 ) -> Any:
+    """The observation space: ``given`` checked against every observation ``values`` (per
+    field), or derived."""
     from gymnasium.spaces import Box, Dict, Space
 
+    fields = list(values)
     if not fields:
         steps = int(trajectory.max_length)
-        values = np.arange(steps + 1, dtype=np.int64)
+        index = np.arange(steps + 1, dtype=np.int64)
         if given is None:
             return Box(0, steps, (), dtype=np.int64)
         if isinstance(given, Mapping):
             raise ValueError("observation_space: no state field was recorded to map a space to")
-        return _action_space(given, values)  # one field: the step index
+        return _action_space(given, index)  # one field: the step index
     if isinstance(given, Space):
-        if len(fields) > 1:
+        if nested:
+            flat = _flat_space(given)
+            if set(flat) != set(fields):
+                raise ValueError(
+                    f"observation_space: expected a space of the observation fields "
+                    f"{sorted(fields)}, got {given} (fields {sorted(flat)})"
+                )
+            for f in fields:
+                spaces.check(flat[f], values[f], f"observation_space[{f!r}]")
+        elif len(fields) > 1:
             if not isinstance(given, Dict) or set(given.spaces) != set(fields):
                 raise ValueError(
                     f"observation_space: expected a Dict space of the fields {fields}, got {given}"
                 )
             for f in fields:
-                spaces.check(given[f], trajectory.states[f][mask], f"observation_space[{f!r}]")
+                spaces.check(given[f], values[f], f"observation_space[{f!r}]")
         else:
-            spaces.check(given, trajectory.states[fields[0]][mask], "observation_space")
+            spaces.check(given, values[fields[0]], "observation_space")
         return given
     per_field: Mapping[str, SpaceArg]
     if isinstance(given, Mapping):
@@ -365,27 +454,26 @@ def _observation_space(
         per_field = {f: given for f in fields}
     chosen = {}
     for f in fields:
-        values = trajectory.states[f][mask]
         what = f"observation_space[{f!r}]"
         arg = per_field.get(f)
         if arg is None:
-            chosen[f] = spaces.dtype_box(values.dtype, values.shape[1:])
+            chosen[f] = spaces.dtype_box(values[f].dtype, values[f].shape[1:])
         elif isinstance(arg, str):
-            chosen[f] = spaces.from_spec(spaces.parse_spec(arg, what), values, what)
+            chosen[f] = spaces.from_spec(spaces.parse_spec(arg, what), values[f], what)
         else:
-            spaces.check(arg, values, what)
+            spaces.check(arg, values[f], what)
             chosen[f] = arg
+    if nested:
+        return _space_of(unflatten(chosen))
     return chosen[fields[0]] if len(fields) == 1 else Dict(chosen)
-
-
-def _final_repeated(states: np.ndarray) -> np.ndarray:
-    return np.concatenate([states, states[-1:]])
 
 
 def _cast(obs: Any, space: Any) -> Any:
     # Minari writes each leaf as its space's dtype (Discrete: int64), and needs it so.
     if isinstance(obs, dict):
         return {k: _cast(v, space[k]) for k, v in obs.items()}
+    if isinstance(obs, tuple):
+        return tuple(_cast(v, sub) for v, sub in zip(obs, space.spaces))
     return obs.astype(space.dtype, copy=False)
 
 
@@ -409,6 +497,7 @@ def _episode_metadata(trajectory: Trajectory) -> list[dict[str, Any]]:
 __all__ = [
     "MINARI_HINT",
     "minari_description",
+    "observation_names",
     "require_minari",
     "write_minari",
     "write_parquet",

@@ -21,7 +21,7 @@ from recorder_client import dataset as layout
 from recorder_client._wire import trajectory_name
 from recorder_client.trajectory import partial_name
 
-from ..chunks import Schema
+from ..chunks import FINAL, STATE, Schema, is_obs_field
 
 
 @dataclass(frozen=True)
@@ -49,13 +49,15 @@ class FieldSpec:
 
 
 def field_specs(schema: Schema, state_order: list[str] | tuple[str, ...]) -> list[FieldSpec]:
-    """The fields of a session's episodes, in finish() order (rewards as float32)."""
+    """The fields of a session's episodes, in finish() order (rewards as float32): the
+    configured state fields, then the observation fields (`obs...`, recorded unannounced)."""
     dtype, shape = schema["action"]
     specs = [
         FieldSpec("actions", "action", "action", np.dtype(dtype), tuple(shape)),
         FieldSpec("rewards", "reward", "reward", np.dtype(np.float32), ()),
     ]
-    for state in state_order:
+    observed = [k[len(STATE) :] for k in schema if k.startswith(STATE)]
+    for state in dict.fromkeys([*state_order, *filter(is_obs_field, observed)]):
         key = f"state:{state}"
         if key in schema:
             dtype, shape = schema[key]
@@ -68,6 +70,19 @@ def field_specs(schema: Schema, state_order: list[str] | tuple[str, ...]) -> lis
                     tuple(shape),
                 )
             )
+    return specs
+
+
+def final_specs(fields: list[FieldSpec], names: list[str] | tuple[str, ...]) -> list[FieldSpec]:
+    """The final-observation columns of the state fields ``names`` (recorded names) among
+    ``fields``: the field's dtype and shape, its column prefixed with `final.`."""
+    by_key = {f.key: f for f in fields}
+    specs = []
+    for state in names:
+        spec = by_key.get(STATE + state)
+        if spec is not None:
+            column = layout.final_column(spec.column)
+            specs.append(FieldSpec(spec.name, FINAL + state, column, spec.dtype, spec.shape))
     return specs
 
 
@@ -96,6 +111,15 @@ class Episodes:
     partial: np.ndarray | None = None
     """Per episode: why it is not whole, as `recorder_client.trajectory` flags (0: whole);
     None: all whole."""
+    terminated: np.ndarray | None = None
+    """Per episode: the terminated flag of its last step (None: all True, a done-only
+    session's episodes)."""
+    truncated: np.ndarray | None = None
+    """Per episode: the truncated flag of its last step (None: all False)."""
+    finals: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per final column: (episodes, *shape) final observations."""
+    final_valid: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per final column: (episodes,) bool, the episodes that have one (null elsewhere)."""
 
     @property
     def num_steps(self) -> int:
@@ -112,14 +136,22 @@ REQUIRED_COLUMNS = (
     "start",
     "step",
     "done",
+    "terminated",
+    "truncated",
     "outcome",
     "store_trajectory",
     "partial",
 )
 
 
-def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str, Any]) -> Any:
-    """The Arrow table of ``episodes`` in the dataset layout, its metadata attached."""
+def episode_table(
+    episodes: Episodes,
+    fields: list[FieldSpec],
+    config: dict[str, Any],
+    finals: list[FieldSpec] | tuple[FieldSpec, ...] = (),
+) -> Any:
+    """The Arrow table of ``episodes`` in the dataset layout, its metadata attached.
+    ``finals``: the final-observation columns (the same for every table of one file)."""
     import pyarrow as pa
 
     lengths = episodes.lengths.astype(np.int64)
@@ -144,8 +176,13 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
     where = {w: i for i, w in enumerate(names)}
     worker_codes = np.asarray([where[w] for w in episodes.worker_ids], dtype=np.int32)
     done = np.zeros(total, dtype=bool)
-    if total:
-        done[np.cumsum(lengths) - 1] = True
+    last = np.cumsum(lengths) - 1
+    done[last] = True
+    # The flags stand on the last step only (an episode's other steps have neither).
+    terminated, truncated = np.zeros(total, dtype=bool), np.zeros(total, dtype=bool)
+    terminated[last] = True if episodes.terminated is None else episodes.terminated
+    if episodes.truncated is not None:
+        truncated[last] = episodes.truncated
     columns: dict[str, Any] = {
         "episode_id": pa.DictionaryArray.from_arrays(pa.array(rows), pa.array(ids, pa.string())),
         "node": pa.DictionaryArray.from_arrays(
@@ -165,12 +202,21 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         columns[spec.column] = _arrow(episodes.values[spec.column], spec)
         if spec.column == "reward":
             columns["done"] = pa.array(done)
+            columns["terminated"] = pa.array(terminated)
+            columns["truncated"] = pa.array(truncated)
             columns["outcome"] = per_step(episodes.outcome, np.int8)
             store = episodes.store_ids
             if store is None:
                 store = np.full(count, -1, dtype=np.int64)
             columns["store_trajectory"] = per_step(store, np.int64)
             columns["partial"] = _partial_column(episodes.partial, count, lengths)
+    for spec in finals:  # on each episode's last row; null elsewhere
+        values = np.zeros((total, *spec.shape), dtype=spec.dtype)
+        has = np.zeros(total, dtype=bool)
+        valid = episodes.final_valid[spec.column]
+        values[last[valid]] = episodes.finals[spec.column][valid]
+        has[last[valid]] = True
+        columns[spec.column] = _arrow(values, spec, null=~has)
     # These columns never hold a null: declared so, Parquet stores no definition levels for
     # them (cheaper to write; files of either kind read back alike). Named, so that every
     # row group of a file has the same schema whatever its values; any other is nullable.
@@ -181,6 +227,7 @@ def episode_table(episodes: Episodes, fields: list[FieldSpec], config: dict[str,
         "node": episodes.node,
         "generation": episodes.generation,
         "fields": [f.to_dict() for f in fields],
+        "finals": [f.to_dict() for f in finals],
         "workers": [[w, int(i)] for w, i in episodes.roster],
         "config": config,
         "versions": versions(),
@@ -203,18 +250,20 @@ def _partial_column(flags: np.ndarray | None, count: int, lengths: np.ndarray) -
     return pa.DictionaryArray.from_arrays(pa.array(codes), names)
 
 
-def _arrow(values: np.ndarray, spec: FieldSpec) -> Any:
+def _arrow(values: np.ndarray, spec: FieldSpec, null: np.ndarray | None = None) -> Any:
+    """The column of ``values``; ``null``: (steps,) bool, the rows stored as null."""
     import pyarrow as pa
 
     values = np.ascontiguousarray(values, dtype=spec.dtype)
+    mask = None if null is None else pa.array(null)
     if not spec.shape:
-        return pa.array(values)
+        return pa.array(values, mask=null)
     size = int(np.prod(spec.shape, dtype=np.int64))
     flat = pa.array(values.reshape(-1))
     if size == 0:  # Arrow has no fixed-size list of 0: a list that is always empty
         offsets = pa.array(np.zeros(values.shape[0] + 1, dtype=np.int32))
-        return pa.ListArray.from_arrays(offsets, flat)
-    return pa.FixedSizeListArray.from_arrays(flat, size)
+        return pa.ListArray.from_arrays(offsets, flat, mask=mask)
+    return pa.FixedSizeListArray.from_arrays(flat, size, mask=mask)
 
 
 def versions() -> dict[str, str]:
@@ -391,9 +440,21 @@ def describe(
             "action": "the action taken",
             "reward": "the reward (float32)",
             "done": "true on the episode's last step",
+            "terminated": (
+                "true on the last step of an episode a terminal state ended (done-only "
+                "recordings: equal to done)"
+            ),
+            "truncated": "true on the last step of an episode a time limit (or the like) cut",
             "outcome": "the episode's outcome code (EpisodeOutcome; 0: none)",
             "store_trajectory": "the episode's id in its node's trajectory store (-1: none)",
-            "<state field>": "one column per recorded state field, by trajectory name",
+            "<state field>": (
+                "one column per recorded state field, by trajectory name; observations as "
+                "obs (a plain array), obs.KEY (Dict), obs.I (Tuple), nesting joined by dots"
+            ),
+            "final.<state field>": (
+                "the observation after the episode's last step (final_obs), on that step's "
+                "row, null on every other row and when none was recorded"
+            ),
         },
         "versions": versions(),
     }

@@ -31,7 +31,9 @@ import numpy as np
 from recorder_client import dataset as client_dataset
 from recorder_client.trajectory import CORRUPT
 
+from ..chunks import FINAL, STATE
 from ..durability import records
+from ..episode_ends import end_flags, final_names, final_rows
 from ..errors import ErrorKind, RequestError
 from . import gather, layout
 from .cursor import Intent
@@ -339,6 +341,10 @@ class DatasetSink:
         thread while the encoder thread writes the one before (pyarrow releases the GIL), so
         the two overlap and memory holds two row groups, not the file."""
         fields, roster, parts = self._collect(session, intent)
+        # One set of final columns for every row group of the file: the fields any of its
+        # chunks sent a final observation of.
+        names = [f.key[len(STATE) :] for f in fields if f.key.startswith(STATE)]
+        finals = layout.final_specs(fields, final_names([c for p in parts for c in p[5]], names))
         config = session.config.to_dict()
         if session.name not in self._described:
             layout.describe(self.fs, self.root, session.name, fields, config)
@@ -351,8 +357,8 @@ class DatasetSink:
         encoding = None
         try:
             for batch in gather.batches(parts, step_bytes, layout.ROW_GROUP_BYTES):
-                gathered = self._episodes(session, intent, fields, roster, batch)
-                table = layout.episode_table(gathered, fields, config)
+                gathered = self._episodes(session, intent, fields, roster, batch, finals)
+                table = layout.episode_table(gathered, fields, config, finals)
                 episodes += int(gathered.lengths.size)
                 steps += gathered.num_steps
                 del gathered
@@ -415,13 +421,16 @@ class DatasetSink:
         return fields, roster, parts
 
     def _episodes(
-        self, session: Any, intent: Intent, fields: list, roster: list, parts: list
+        self, session: Any, intent: Intent, fields: list, roster: list, parts: list, finals: list
     ) -> layout.Episodes:
-        """Episodes of ``parts`` (as `_collect` gives them) as flat step arrays."""
+        """Episodes of ``parts`` (as `_collect` gives them) as flat step arrays, with how
+        each ended (its last step's flags, the ``finals`` it sent)."""
         values: dict[str, list[np.ndarray]] = {f.column: [] for f in fields}
         worker_ids: list[str] = []
         windex, envs, starts, lengths, outcomes, store_ids = [], [], [], [], [], []
-        partial = []
+        partial, terminated, truncated = [], [], []
+        ends: dict[str, list] = {f.column: [] for f in finals}
+        valid: dict[str, list] = {f.column: [] for f in finals}
         for worker_id, index, env, start, end, chunks, ids, flags in parts:
             n = end - start
             chunks = gather.spanned(chunks, int(start.min()), int(end.max()))
@@ -434,6 +443,15 @@ class DatasetSink:
             for spec in fields:
                 values[spec.column].append(picked[spec.column])
             outcomes.append(gather.last_nonzero(codes, n))
+            done = np.ones(env.size, dtype=bool)  # a written episode is one a flag ended
+            term, trunc = end_flags(chunks, env, end, done)
+            terminated.append(term)
+            truncated.append(trunc)
+            for spec in finals:
+                out = np.zeros((env.size, *spec.shape), dtype=spec.dtype)
+                name = spec.key[len(FINAL) :]
+                valid[spec.column].append(final_rows(chunks, name, env, end, done, out))
+                ends[spec.column].append(out)
             worker_ids.extend([worker_id] * env.size)
             windex.append(np.full(env.size, index, dtype=np.int64))
             envs.append(env)
@@ -454,6 +472,10 @@ class DatasetSink:
             store_ids=np.concatenate(store_ids),
             roster=roster,
             partial=np.concatenate(partial),
+            terminated=np.concatenate(terminated),
+            truncated=np.concatenate(truncated),
+            finals={k: gather.joined(v) for k, v in ends.items()},
+            final_valid={k: gather.joined(v) for k, v in valid.items()},
         )
         return episodes
 
