@@ -234,7 +234,7 @@ def test_gymnasium_loops_read_back_exact_from_finish_dataset_duckdb_and_minari(
                        count("final.obs.pos"), count(DISTINCT episode_id), sum(reward)
                 FROM (SELECT *, count(*) OVER (PARTITION BY episode_id) AS length
                       FROM read_parquet('{uri}/session=rooms/*.parquet'))"""
-        ).fetchone()
+        ).fetchall()[0]
         rewards = sum(float(np.sum(np.asarray(e.rewards, np.float32))) for e in truth)
         assert row[:5] == (
             sum(e.terminated for e in truth),
