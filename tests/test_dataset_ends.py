@@ -3,6 +3,7 @@ observations (`final.<field>`), laid out on each episode's last row (null elsewh
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import duckdb
@@ -96,3 +97,64 @@ def test_state_fields_named_like_the_new_columns_keep_apart():
     assert client_dataset.state_column("final.obs") == "state_final.obs"
     assert client_dataset.state_column("obs.pos") == "obs.pos"
     assert client_dataset.final_column("obs.pos") == "final.obs.pos"
+
+
+def test_files_from_before_the_flags_read_beside_new_ones(tmp_path: Path):
+    """A session whose first file lacks terminated / truncated / final.* (written before
+    them) and whose second has them: read_episodes reads the old episodes as terminated,
+    not truncated, zero finals; the new ones as written."""
+    fields = layout.field_specs(
+        {"action": (np.dtype(np.int64), ()), "state:obs": (np.dtype(np.float32), (3,))}, []
+    )
+    finals = layout.final_specs(fields, ["obs"])
+    rng = np.random.default_rng(5)
+
+    def episodes(start: int, lengths: list[int], **ends) -> layout.Episodes:
+        total = sum(lengths)
+        return layout.Episodes(
+            node="n",
+            session="s",
+            generation=0,
+            worker_ids=["w"] * len(lengths),
+            worker_index=np.zeros(len(lengths), dtype=np.int64),
+            env=np.arange(len(lengths)),
+            start=np.full(len(lengths), start),
+            lengths=np.array(lengths),
+            outcome=np.zeros(len(lengths), dtype=np.int64),
+            values={
+                "action": np.arange(total),
+                "reward": np.ones(total, np.float32),
+                "obs": rng.standard_normal((total, 3)).astype(np.float32),
+            },
+            roster=[("w", 0)],
+            **ends,
+        )
+
+    directory = tmp_path / "session=s"
+    directory.mkdir()
+    old = layout.episode_table(episodes(0, [2, 3]), fields, {})
+    old = old.drop_columns(["terminated", "truncated"])
+    meta = json.loads(old.schema.metadata[client_dataset.METADATA_KEY])
+    del meta["finals"]
+    old = old.replace_schema_metadata({client_dataset.METADATA_KEY: json.dumps(meta)})
+    pq.write_table(old, directory / layout.file_name("n", 0, 0))
+    final = rng.standard_normal((2, 3)).astype(np.float32)
+    new = episodes(
+        10,
+        [1, 4],
+        terminated=np.array([False, True]),
+        truncated=np.array([True, False]),
+        finals={"final.obs": final},
+        final_valid={"final.obs": np.array([True, True])},
+    )
+    table = layout.episode_table(new, fields, {}, finals)
+    (directory / layout.file_name("n", 0, 1)).write_bytes(layout.parquet_bytes(table))
+    traj = client_dataset.read_episodes(str(tmp_path), "s")
+    # Episodes come env by env, in time order: env 0 (old, new), env 1 (old, new).
+    assert traj.lengths.tolist() == [2, 1, 3, 4]
+    assert traj.episode_terminated.tolist() == [True, False, True, True]
+    assert traj.episode_truncated.tolist() == [False, True, False, False]
+    assert np.array_equal(
+        traj.final_states["obs"], np.stack([np.zeros(3), final[0], np.zeros(3), final[1]])
+    )
+    assert traj.final_states["obs"].dtype == np.float32
