@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import export
 from test_dataset import sink_options, wait_written
 
 from recorder_client import RolloutRecorder
@@ -255,6 +256,36 @@ def test_gymnasium_loops_read_back_exact_from_finish_dataset_duckdb_and_minari(
             space = given or spaces.Box(-np.inf, np.inf, (4,), np.float32)
             assert minari_mismatches(loaded, truth, space) == 0, session
             print(f"{session}: Minari {loaded.total_episodes} episodes, 0 mismatches")
+
+        # The export command, from the live session: the observation's spaces derived (one
+        # given by its flattened name), nested as the env's.
+        done = export(
+            server.address,
+            "rooms",
+            tmp_path / "minari",
+            "--format",
+            "minari",
+            "--dataset-id",
+            "rollout-recorder/rooms-cli-v0",
+            "--observation-space",
+            "obs.pos=box:-10:10",
+        )
+        assert done.returncode == 0, done.stderr
+        loaded = minari.load_dataset("rollout-recorder/rooms-cli-v0")
+
+        def whole(dtype: Any, shape: tuple = ()) -> Any:
+            info = np.iinfo(dtype)
+            return spaces.Box(int(info.min), int(info.max), shape, dtype)
+
+        space = spaces.Dict(
+            {
+                "pos": spaces.Box(-10, 10, (2,), np.float32),
+                "inner": spaces.Dict({"count": whole(np.int64), "flags": whole(np.int8, (3,))}),
+                "pair": spaces.Tuple((whole(np.int16, (2,)), whole(np.int64))),
+            }
+        )
+        assert minari_mismatches(loaded, results["rooms"][1], space) == 0
+        print(f"rooms: export --format minari {loaded.total_episodes} episodes, 0 mismatches")
     finally:
         server.stop(grace=0)
 
