@@ -1,6 +1,6 @@
 """The scripts in examples/ run as a user runs them, with a small step budget, against the
 embedded default server; what each recorded is checked against what its envs counted
-themselves (SB3's Monitor), which they print beside it.
+themselves (CleanRL's RecordEpisodeStatistics, SB3's Monitor), which they print beside it.
 
 examples/gymnasium_cartpole.py and examples/jax_rollout.py are the README's blocks: they run
 in tests/test_readme.py, against truth computed there.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN_HERE = {"sb3_ppo.py"}
+RUN_HERE = {"cleanrl_ppo.py", "sb3_ppo.py"}
 RUN_BY_THE_README_TEST = {"gymnasium_cartpole.py", "jax_rollout.py"}
 
 
@@ -44,6 +44,14 @@ def counted(stdout: str, who: str) -> tuple[int, str]:
 
 def test_every_example_is_run_by_a_test():
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == RUN_HERE | RUN_BY_THE_README_TEST
+
+
+def test_cleanrl_ppo_records_every_episode_its_envs_finished(tmp_path):
+    pytest.importorskip("torch")
+    stdout = run("cleanrl_ppo.py", "--total-timesteps", "1024", tmp_path=tmp_path)
+    assert "iteration 1: step 1024," in stdout
+    env, recorded = counted(stdout, "env"), counted(stdout, "recorded")
+    assert env == recorded and env[0] > 10
 
 
 def test_sb3_ppo_records_every_episode_its_envs_finished(tmp_path):
