@@ -54,13 +54,15 @@ def dict_cartpole(max_steps: int) -> gym.Env:
     return gym.wrappers.TransformObservation(env, lambda o: {"cart": o[:2], "pole": o[2:]}, space)
 
 
-def logged_envs(n: int, max_steps: int, dict_obs: bool = False) -> tuple[DummyVecEnv, list[list]]:
+def logged_envs(
+    n: int, max_steps: int, dict_obs: bool = False, env_id: str = "CartPole-v1"
+) -> tuple[DummyVecEnv, list[list]]:
     logs: list[list] = [[] for _ in range(n)]
 
     def make(i: int):
         if dict_obs:
             return lambda: StepLog(dict_cartpole(max_steps), logs[i])
-        return lambda: StepLog(gym.make("CartPole-v1", max_episode_steps=max_steps), logs[i])
+        return lambda: StepLog(gym.make(env_id, max_episode_steps=max_steps), logs[i])
 
     return DummyVecEnv([make(i) for i in range(n)]), logs
 
@@ -91,7 +93,8 @@ def truth_episodes(log: list) -> list[dict]:
             {
                 "obs": {k: np.stack([fields(o)[k] for o in obs]) for k in final},
                 "action": np.stack(action),
-                "reward": np.asarray(reward, dtype=np.float64),
+                # SB3's VecEnvs hold rewards as float32: what the callback is given.
+                "reward": np.asarray(reward, dtype=np.float32),
                 "terminated": bool(terminated[-1]),
                 "truncated": bool(truncated[-1] and not terminated[-1]),
                 "final": final if ended else {k: np.zeros_like(v) for k, v in final.items()},
@@ -161,6 +164,26 @@ def test_dqn_collection_is_recorded_exactly(target):
     assert sum(len(log) for log in logs) == int(traj.lengths.sum()) == 1200
     result = compare(traj, logs)
     assert result["terminated"] > 10 and result["truncated"] > 10 and result["tails"] > 0
+    assert result["mismatches"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["PPO", "SAC"])
+def test_continuous_actions_are_the_ones_the_env_got(target, algorithm):
+    """Pendulum's Box actions: PPO's are clipped to the bounds before the env gets them,
+    SAC's unscaled from [-1, 1]; the env's log holds what it really got. Pendulum never
+    terminates: every finished episode is a truncation."""
+    envs, logs = logged_envs(2, 15, env_id="Pendulum-v1")
+    with RolloutRecorder(target=target, session=algorithm.lower()) as recorder:
+        if algorithm == "PPO":
+            model = sb3.PPO("MlpPolicy", envs, n_steps=40, batch_size=80, n_epochs=1, seed=0)
+        else:
+            model = sb3.SAC("MlpPolicy", envs, learning_starts=60, buffer_size=1000, seed=0)
+        model.learn(160, callback=RecorderCallback(recorder, chunk_steps=32))
+        traj = recorder.finish()
+    assert traj.actions.dtype == np.float32 and traj.actions.shape[2:] == (1,)
+    assert sum(len(log) for log in logs) == int(traj.lengths.sum()) == 160
+    result = compare(traj, logs)
+    assert result["terminated"] == 0 and result["truncated"] >= 8
     assert result["mismatches"] == 0
 
 
