@@ -108,7 +108,12 @@ def filesystem(uri: str, storage_options: dict | None = None) -> tuple[Any, str]
 
 def episode_files(fs: Any, root: str) -> list[str]:
     """Every committed episode file under ``root`` (partial and hidden files excluded)."""
-    fs.invalidate_cache(root)  # object stores: list what is there now, not a cached listing
+    # Object stores: list what is there now, not a cached listing. s3fs forgets a path and
+    # its parents only: the directories below, which a later read of a file consults, too.
+    cached = getattr(fs, "dircache", {})
+    for path in [p for p in cached if p == root or str(p).startswith(f"{root}/")]:
+        cached.pop(path, None)
+    fs.invalidate_cache(root)
     if not fs.exists(root):
         return []
     found = []
