@@ -12,8 +12,7 @@ Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique acros
 worker's time axis), ``step`` (within the episode), ``action``, ``reward`` (float32, as
 finish() returns it), ``done`` (true on an episode's last step), ``terminated`` and
 ``truncated`` (the flag that ended the episode, on its last step; a done-only recording's are
-terminated), ``outcome`` (the episode's
-outcome code, on every row), ``store_trajectory`` (the episode's id in the node's trajectory
+terminated), ``outcome`` (the episode's outcome code, on every row), ``store_trajectory`` (the episode's id in the node's trajectory
 store, which the store's references name; -1 without one), ``partial`` (why the episode is
 not whole: "" when it is, "gap_before" when chunks lost just before it hid its start,
 "corrupt" when it reads frames that did not decode, or several joined by "+"; files from
