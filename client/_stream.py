@@ -20,6 +20,7 @@ import grpc
 
 from ._loss import data_loss_error
 from ._pending import PendingChunk, SenderStats, StreamStats, encode_chunk
+from ._poll import POLL_GAP_S, POLL_QUIET_S, POLL_S, claim_poll
 from ._proto import recorder_pb2 as pb
 from ._wire import ERROR_KIND_KEY
 from .errors import (
@@ -141,6 +142,11 @@ class ChunkSender:
         self._progress = True
         self._stalled_since = time.monotonic()
         self._backoff = 0.0
+        # Whether the sender thread sleeps until woken (else it polls: see POLL_S), and when
+        # the last two chunks were queued.
+        self._sleeping = True
+        self._polling = False
+        self._submitted = self._gap = 0.0
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
@@ -162,7 +168,10 @@ class ChunkSender:
             self._in_flight += item.raw_bytes
             self._to_send.append(item)
             self._count_later(item)
-            self._cond.notify_all()
+            now = time.monotonic()
+            self._gap, self._submitted = now - self._submitted, now
+            if self._sleeping:
+                self._cond.notify_all()
         return True
 
     def _count_later(self, item: PendingChunk) -> None:
@@ -318,6 +327,7 @@ class ChunkSender:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        claim_poll(self, False)
 
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
@@ -332,8 +342,14 @@ class ChunkSender:
             )
         )
         while True:
+            # Polling looks at the queue without the lock: record() never waits for it.
+            if not self._to_send and not self._closing and generation == self._generation:
+                if self._poll():
+                    time.sleep(POLL_S)
+                    continue
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
+                    self._sleeping = True  # under the lock: a chunk queued now wakes it
                     self._cond.wait()
                 if generation != self._generation or (self._closing and not self._to_send):
                     return
@@ -354,6 +370,14 @@ class ChunkSender:
                 item.wire_bytes = item.request.ByteSize()
             self.stats.chunks_sent += 1
             yield item.request
+
+    def _poll(self) -> bool:
+        """Whether to look at the queue again in POLL_S rather than sleep until woken."""
+        want = time.monotonic() - self._submitted < POLL_QUIET_S and self._gap < POLL_GAP_S
+        if want != self._polling:
+            self._polling = claim_poll(self, want)
+        self._sleeping = not self._polling
+        return self._polling
 
     def _run(self) -> None:
         while True:
