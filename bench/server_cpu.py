@@ -92,6 +92,15 @@ def run_server_cpu(ctx: Context, rep: int = 0) -> dict[str, Any]:
             ms[name].append(once(make_metrics, cap))
     out = {name: float(np.median(v)) for name, v in ms.items()}
     out["rounds"] = {name: v for name, v in ms.items()}
+    # Each variant against its base in the same round, then the median over rounds: the
+    # variants of a round run a few tenths of a second apart, so a change in the machine's
+    # load between rounds falls on both sides of each ratio (two medians taken apart can
+    # pick rounds from a quiet and a busy stretch).
+    bases = {"metrics": "no_metrics", "metrics_all_sinks": "no_metrics", "store_on": "metrics"}
+    out["paired"] = {
+        name: float(np.median(np.asarray(ms[name]) / np.asarray(ms[base])))
+        for name, base in bases.items()
+    }
     out["chunks"] = len(chunks)
     return out
 
@@ -107,13 +116,27 @@ def rows_server_cpu(results: dict[str, dict[str, Any]]) -> list[Row]:
         return Row("server CPU", label, value, against, against_what, "ms", "lower", digits=2)
 
     runs = len(r["rounds"]["metrics"])
+    paired = r.get("paired", {})
+
+    def per_round(name: str) -> str:
+        return f"; {paired[name]:.2f}x round by round" if name in paired else ""
+
     return [
-        ms_row(f"metrics on (in process, median of {runs})", r["metrics"], base, off),
         ms_row(
-            "Prometheus registry + TensorBoard + JSONL sinks", r["metrics_all_sinks"], base, off
+            f"metrics on (in process, median of {runs}{per_round('metrics')})",
+            r["metrics"],
+            base,
+            off,
         ),
         ms_row(
-            "trajectory store on (2 cell fields, 1 utility)",
+            "Prometheus registry + TensorBoard + JSONL sinks "
+            f"(in process{per_round('metrics_all_sinks')})",
+            r["metrics_all_sinks"],
+            base,
+            off,
+        ),
+        ms_row(
+            f"trajectory store on (2 cell fields, 1 utility{per_round('store_on')})",
             r["store_on"],
             r["metrics"],
             "same, store off",
