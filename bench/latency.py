@@ -71,10 +71,17 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "drain_s": (t_done - t_submitted) / 1e9,
             "one_worker_raw_mb_s": chunk_bytes * p.latency_calls / MB / ((t_done - t_start) / 1e9),
         }
-        # Paced: a training step (sleep, GIL released) between calls.
-        lat = timed_records(rec, pool, p.latency_calls, p.record_step_s)
+        # Paced: a training step (sleep, GIL released) before every call, ours and the
+        # in-process recorder's in turns, call by call: both see the same load (one after
+        # the other, one side could run in a quiet stretch and the other in a busy one).
+        ref_cls, _ = load_reference_recorder()
+        ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS))
+        for c in pool[:3]:
+            ref.record(c.rollout, c.states)
+        ours, theirs = paced_in_turns(rec, ref, pool, p.latency_calls, p.record_step_s)
         rec.flush()
-        out["remote_paced"] = {**latency_summary(lat), "sleep_s": p.record_step_s}
+        out["remote_paced"] = {**latency_summary(ours), "sleep_s": p.record_step_s}
+        out["inprocess_paced"] = {**latency_summary(theirs), "sleep_s": p.record_step_s}
         rec.close()
 
         # is_full and num_recorded_steps asked after each record(), as a training loop
@@ -110,17 +117,30 @@ def run_latency(ctx: Context, rep: int = 0) -> dict[str, Any]:
     finally:
         server.stop()
 
-    ref_cls, _ = load_reference_recorder()
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS))
     for c in pool[:3]:
         ref.record(c.rollout, c.states)
     lat = timed_records(ref, pool, p.latency_calls)
     out["inprocess_back_to_back"] = latency_summary(lat)
-    lat = timed_records(ref, pool, p.latency_calls, p.record_step_s)
-    out["inprocess_paced"] = {**latency_summary(lat), "sleep_s": p.record_step_s}
     ref = ref_cls(record_states=True, state_fields=list(STATE_FIELDS), max_episodes=10**9)
     out["inprocess_counters"] = time_counters(ref, pool, p.paced_calls)
     return out
+
+
+def paced_in_turns(
+    ours: Any, theirs: Any, pool: list[Any], calls: int, step_s: float
+) -> tuple[list[int], list[int]]:
+    """``calls`` record() calls on each recorder, in turns, each after ``step_s`` of sleep;
+    each side's nanoseconds."""
+    lat: tuple[list[int], list[int]] = ([], [])
+    for i in range(calls):
+        c = pool[i % len(pool)]
+        for rec, out in ((ours, lat[0]), (theirs, lat[1])):
+            time.sleep(step_s)
+            t0 = time.perf_counter_ns()
+            rec.record(c.rollout, c.states)
+            out.append(time.perf_counter_ns() - t0)
+    return lat
 
 
 def time_counters(rec: Any, pool: list[Any], calls: int, sleep_s: float = 0.0) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import weakref
 from typing import Any
 
 POLL_S = 0.001
-POLL_GAP_S = 0.01
+POLL_GAP_S = 0.02
 POLL_QUIET_S = 0.05
 _poll_slot: list[Any] = [None]  # a weak reference to the sender that polls
 _poll_lock = threading.Lock()
