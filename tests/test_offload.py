@@ -79,3 +79,31 @@ def test_a_stopped_pool_refuses_a_batch_as_shutting_down() -> None:
     with pytest.raises(Exception, match="the server is stopping"):
         asyncio.run(main())
     assert pool.in_flight == 0
+
+
+def test_a_call_alone_in_its_turn_runs_on_the_loop_when_it_may() -> None:
+    pool = Offload(2, 0, "test-offload", small_capacity=16)
+    threads: dict[str, int] = {}
+
+    def work(name: str) -> str:
+        threads[name] = threading.get_ident()
+        return name
+
+    async def main() -> int:
+        loop_thread = threading.get_ident()
+        # Alone, the pool idle, and allowed: here.
+        assert await pool.run_batched(work, "alone", small=True, inline=lambda: True) == "alone"
+        # Alone but not allowed, or not alone: on the pool.
+        await pool.run_batched(work, "refused", small=True, inline=lambda: False)
+        await asyncio.gather(
+            *(pool.run_batched(work, f"pair{i}", small=True, inline=lambda: True) for i in (0, 1))
+        )
+        return loop_thread
+
+    try:
+        loop_thread = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert threads["alone"] == loop_thread
+    assert loop_thread not in (threads["refused"], threads["pair0"], threads["pair1"])
+    assert pool.in_flight == 0

@@ -52,7 +52,9 @@ class Offload:
         `small_capacity` small ones."""
         # Calls of this turn of the loop, not yet handed to a thread (run_batched), each with
         # the slots it holds.
-        self._batch: list[tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.Semaphore]] = []
+        self._batch: list[
+            tuple[Callable[..., Any], tuple, asyncio.Future, asyncio.Semaphore, Any]
+        ] = []
         self.max_batch = small_capacity
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -97,10 +99,18 @@ class Offload:
             raise
         return await future
 
-    async def run_batched(self, fn: Callable[..., T], *args: Any, small: bool = False) -> T:
+    async def run_batched(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        small: bool = False,
+        inline: Callable[[], bool] | None = None,
+    ) -> T:
         """``fn(*args)`` on a pool thread, with the other calls made in this turn of the loop
         (up to `max_batch`): one after the other on one thread, each its own result or error.
-        `small`: the call holds one of the `small_capacity` slots, not a `capacity` one."""
+        `small`: the call holds one of the `small_capacity` slots, not a `capacity` one.
+        `inline`: asked when the call is alone in its turn and the pool idle; true runs it
+        here, on the loop (a thread's wake-up and the loop's cost more than a small call)."""
         # Made on the loop that uses them (the pool is built before it runs).
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.capacity)
@@ -113,7 +123,7 @@ class Offload:
         future = loop.create_future()
         if not self._batch:
             loop.call_soon(self._hand_over, loop)
-        self._batch.append((fn, args, future, slots))
+        self._batch.append((fn, args, future, slots, inline))
         if len(self._batch) >= self.max_batch:
             self._hand_over(loop)
         return await future
@@ -122,17 +132,28 @@ class Offload:
         batch, self._batch = self._batch, []
         if not batch:
             return
+        if len(batch) == 1 and self.in_flight == 1:
+            fn, args, future, slots, inline = batch[0]
+            if inline is not None and inline():
+                self.in_flight -= 1
+                slots.release()
+                if not future.cancelled():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as exc:
+                        future.set_exception(exc)
+                return
 
         def work() -> None:
             outcomes = []
-            for fn, args, _, _ in batch:
+            for fn, args, _, _, _ in batch:
                 try:
                     outcomes.append((fn(*args), None))
                 except BaseException as exc:
                     outcomes.append((None, exc))
 
             def done() -> None:
-                for (_, _, future, slots), (result, error) in zip(batch, outcomes, strict=True):
+                for (_, _, future, slots, _), (result, error) in zip(batch, outcomes, strict=True):
                     self.in_flight -= 1
                     slots.release()
                     if future.cancelled():
@@ -153,7 +174,7 @@ class Offload:
             error: BaseException = exc
             if isinstance(exc, RuntimeError):  # the pool was shut down: the server is stopping
                 error = RequestError(ErrorKind.SHUTTING_DOWN, "the server is stopping")
-            for _, _, future, slots in batch:
+            for _, _, future, slots, _ in batch:
                 self.in_flight -= 1
                 slots.release()
                 if not future.cancelled():

@@ -9,6 +9,7 @@ however busy ingest is. Every refusal ends its RPC through `convert.status_of`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -183,6 +184,19 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         reply.late_refusals.extend(session.take_late_refusals(worker_id))
         return reply
 
+    def _inline(self, session: Session) -> bool:
+        """Whether a small chunk that arrived alone is taken here, on the event loop: no
+        store, a log that does not fsync each chunk, and the session's lock free (a hint: a
+        holder that takes it meanwhile delays the loop by its critical section)."""
+        if session.processor.store is not None:
+            return False
+        if self.durability is not None and self.durability.wal.fsync_policy == "always":
+            return False
+        if not session.lock.acquire(blocking=False):
+            return False
+        session.lock.release()
+        return True
+
     async def Record(
         self, request_iterator: AsyncIterator[pb.RecordRequest], context
     ) -> AsyncIterator[pb.RecordAck]:
@@ -201,13 +215,15 @@ class RecorderServicer(pb_grpc.RecorderServicer):
                     )
                 try:
                     chunk = request.chunk
+                    small = chunk.ByteSize() <= _SMALL_CHUNK_BYTES
                     reply = await self.ingest.run_batched(
                         self._apply,
                         session,
                         worker_id,
                         epoch,
                         chunk,
-                        small=chunk.ByteSize() <= _SMALL_CHUNK_BYTES,
+                        small=small,
+                        inline=functools.partial(self._inline, session) if small else None,
                     )
                 except Exception as exc:
                     await self._abort(context, exc)
