@@ -350,7 +350,7 @@ class EpisodeFile:
             os.close(fd)
         return Staged(self.where)
 
-    def abort(self) -> None:
+    def discard(self) -> None:
         """Close and remove what is left (nothing once `put_whole` took it)."""
         if self._writer is not None:
             with contextlib.suppress(Exception):

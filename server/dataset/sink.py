@@ -372,12 +372,12 @@ class DatasetSink:
         except BaseException:
             if encoding is not None:
                 futures.wait([encoding])  # the encoder lets go of the file first
-            out.abort()
+            out.discard()
             raise
         try:
             size = layout.put_whole(self.fs, path, payload)
         finally:
-            out.abort()  # a staged file not renamed into place goes
+            out.discard()  # a staged file not renamed into place goes
         labels = {"session": session.name}
         self.metrics.inc("Recorder/dataset_files_written", 1, **labels)
         self.metrics.inc("Recorder/dataset_episodes_written", episodes, **labels)
