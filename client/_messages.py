@@ -27,6 +27,20 @@ def array_to_proto(
     )
 
 
+def fill_array(
+    msg: pb.ArrayData, arr: np.ndarray, level: int = _wire.DEFAULT_LEVEL, pack: bool = False
+) -> None:
+    """array_to_proto into an empty field of a message being built: no message made and
+    copied in (a chunk's encoding in the client's sender thread costs a third less)."""
+    arr = np.ascontiguousarray(arr)
+    codec, data = _wire.encode(arr, level, pack)
+    msg.dtype = arr.dtype.str
+    msg.shape.extend(arr.shape)
+    msg.raw_size = arr.nbytes
+    msg.codec = codec
+    msg.data = data
+
+
 def array_from_proto(msg: pb.ArrayData, what: str, max_raw: int = 1 << 40) -> np.ndarray:
     dtype, shape = _wire.check_header(msg.dtype, msg.shape, msg.raw_size, what, max_raw)
     return _wire.decode(msg.codec, msg.data, dtype, shape, what)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ._messages import array_to_proto
+from ._messages import fill_array
 from ._proto import recorder_pb2 as pb
 from .errors import RecorderError
 
@@ -81,25 +81,26 @@ def _to_host(value: Any) -> np.ndarray:
 def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.RecordRequest:
     """The chunk's request; ``pack``: integer arrays packed where the server takes that."""
     arrays = item.arrays or {}
-    chunk = pb.Chunk(sequence=item.sequence)
-    chunk.action.CopyFrom(array_to_proto(_to_host(arrays["action"]), level, pack))
-    chunk.reward.CopyFrom(array_to_proto(_to_host(arrays["reward"]), level, pack))
+    request = pb.RecordRequest()
+    chunk = request.chunk  # filled in place: no message copied
+    chunk.sequence = item.sequence
+    fill_array(chunk.action, _to_host(arrays["action"]), level, pack)
+    fill_array(chunk.reward, _to_host(arrays["reward"]), level, pack)
     done = _to_host(arrays["done"])
     if done.dtype != np.bool_:
         done = done.astype(bool)
     if item.dones is None:
         item.dones = int(np.count_nonzero(done))
-    chunk.done.CopyFrom(array_to_proto(done, level, pack))
+    fill_array(chunk.done, done, level, pack)
     for name in ("outcome", "terminated", "truncated", "valid"):
         if name in arrays:
-            getattr(chunk, name).CopyFrom(array_to_proto(_to_host(arrays[name]), level, pack))
+            fill_array(getattr(chunk, name), _to_host(arrays[name]), level, pack)
     for name, value in arrays.items():
         if name.startswith("state:"):
-            chunk.states.append(
-                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
-            )
+            named = chunk.states.add(name=name[6:])
         elif name.startswith("final:"):
-            chunk.finals.append(
-                pb.NamedArray(name=name[6:], array=array_to_proto(_to_host(value), level, pack))
-            )
-    return pb.RecordRequest(chunk=chunk)
+            named = chunk.finals.add(name=name[6:])
+        else:
+            continue
+        fill_array(named.array, _to_host(value), level, pack)
+    return request

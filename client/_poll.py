@@ -6,6 +6,12 @@ its chunks come at most POLL_GAP_S apart, looks at its queue every POLL_S withou
 and record() skips the wake; after POLL_QUIET_S without a chunk it sleeps again. One a
 process, so that a process driving many recorders (a fleet of actors) polls once, not once
 per recorder.
+
+Polling pays only while the caller leaves the GIL free between calls (a sleep, a wait on the
+GPU). A caller busy in Python between calls (a Gymnasium loop stepping its envs) hands the GIL
+to each poll: a forced switch every few milliseconds that costs its loop more than record()'s
+wake. A poll that gets the GIL back POLL_LATE_S late says so, and the sender then sleeps until
+woken for POLL_BACKOFF_S (bench `gym_record_rollouts`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from typing import Any
 POLL_S = 0.001
 POLL_GAP_S = 0.02
 POLL_QUIET_S = 0.05
+POLL_LATE_S = 0.002
+POLL_BACKOFF_S = 0.25
 _poll_slot: list[Any] = [None]  # a weak reference to the sender that polls
 _poll_lock = threading.Lock()
 

@@ -20,7 +20,7 @@ import grpc
 
 from ._loss import data_loss_error
 from ._pending import PendingChunk, SenderStats, StreamStats, encode_chunk
-from ._poll import POLL_GAP_S, POLL_QUIET_S, POLL_S, claim_poll
+from ._poll import POLL_BACKOFF_S, POLL_GAP_S, POLL_LATE_S, POLL_QUIET_S, POLL_S, claim_poll
 from ._proto import recorder_pb2 as pb
 from ._wire import ERROR_KIND_KEY
 from .errors import (
@@ -147,6 +147,7 @@ class ChunkSender:
         self._sleeping = True
         self._polling = False
         self._submitted = self._gap = 0.0
+        self._busy_until = 0.0  # no polling before then: the caller's loop holds the GIL
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
@@ -345,7 +346,11 @@ class ChunkSender:
             # Polling looks at the queue without the lock: record() never waits for it.
             if not self._to_send and not self._closing and generation == self._generation:
                 if self._poll():
+                    slept = time.monotonic()
                     time.sleep(POLL_S)
+                    woke = time.monotonic()
+                    if woke - slept > POLL_S + POLL_LATE_S:
+                        self._busy_until = woke + POLL_BACKOFF_S
                     continue
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
@@ -373,7 +378,12 @@ class ChunkSender:
 
     def _poll(self) -> bool:
         """Whether to look at the queue again in POLL_S rather than sleep until woken."""
-        want = time.monotonic() - self._submitted < POLL_QUIET_S and self._gap < POLL_GAP_S
+        now = time.monotonic()
+        want = (
+            now - self._submitted < POLL_QUIET_S
+            and self._gap < POLL_GAP_S
+            and now >= self._busy_until
+        )
         if want != self._polling:
             self._polling = claim_poll(self, want)
         self._sleeping = not self._polling
