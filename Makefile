@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_PROCESSES ?= 3
 # The bench's Reverb rows run Reverb from a virtualenv of its own (see its rule below).
 REVERB_VENV  ?= bench/.venv-reverb
 REVERB_STAMP := $(REVERB_VENV)/.installed
@@ -35,7 +36,10 @@ test: $(STAMP) browser
 	# The store's compiled loops: built once (about half a minute), then found in numba's cache,
 	# before any test server needs them (the image build does the same).
 	$(PY) -m recorder_server.store
-	$(PY) -m pytest
+	# Three test processes: most scenario tests wait on servers, kills and timeouts rather than
+	# compute, so the suite takes about half the time serially on 2 cores. loadscope keeps a
+	# module's tests (and its module-scoped servers) in one process.
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadscope
 
 # The docs site (mkdocs.yml) into site/: --strict fails on a broken link or a missing page.
 # Its home, API and command-line references are generated from README.md, __all__ and argparse.
