@@ -109,7 +109,11 @@ class ChunkSender:
         # Whether the server last joined takes packed codecs (JoinReply.packed_codecs).
         self._packed = packed
         self._reconnect_timeout = reconnect_timeout
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The request iterator waits for work on its own condition (same lock): an ack's
+        # notify, for flush() and a blocked submit(), does not wake it for nothing.
+        self._work = threading.Condition(lock)
         self._to_send: collections.deque[PendingChunk] = collections.deque()
         self._unacked: collections.OrderedDict[int, PendingChunk] = collections.OrderedDict()
         self._in_flight = 0
@@ -172,7 +176,7 @@ class ChunkSender:
             now = time.monotonic()
             self._gap, self._submitted = now - self._submitted, now
             if self._sleeping:
-                self._cond.notify_all()
+                self._work.notify()
         return True
 
     def _count_later(self, item: PendingChunk) -> None:
@@ -327,6 +331,7 @@ class ChunkSender:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._work.notify_all()
         self._thread.join(timeout=10)
         claim_poll(self, False)
 
@@ -355,7 +360,7 @@ class ChunkSender:
             with self._cond:
                 while not self._to_send and not self._closing and generation == self._generation:
                     self._sleeping = True  # under the lock: a chunk queued now wakes it
-                    self._cond.wait()
+                    self._work.wait()
                 if generation != self._generation or (self._closing and not self._to_send):
                     return
                 item = self._to_send.popleft()
@@ -478,6 +483,7 @@ class ChunkSender:
             waiting = bool(self._unacked or self._to_send)
             progressed, self._progress = self._progress or not waiting, False
             self._cond.notify_all()
+            self._work.notify_all()
         reason = err.details() if err is not None else "stream ended"
         logger.info("stream to %s ended (%s); reconnecting", self._target, reason)
         now = time.monotonic()
@@ -547,6 +553,7 @@ class ChunkSender:
             self._unacked.clear()
             self._to_send.extendleft(reversed(resend))
             self._cond.notify_all()
+            self._work.notify_all()
         logger.info("reconnected to %s; resending %d chunks", self._target, len(resend))
         return True
 
