@@ -157,11 +157,14 @@ def _at(mask: np.ndarray) -> tuple[int, int]:
     return row, env
 
 
-def check_flags(arrays: dict[str, Any], open_empty: np.ndarray | None) -> np.ndarray | None:
+def check_flags(
+    arrays: dict[str, Any], open_empty: np.ndarray | None, done_given: bool = True
+) -> np.ndarray | None:
     """The values of the flags and the valid mask (host arrays only; the server checks a
-    device array's): ``done`` is terminated | truncated, and a row marked False stands only
-    where the env's open episode has no step yet (``open_empty``: (N,) before this chunk,
-    None when not known) and carries no flag. Returns ``open_empty`` after the chunk."""
+    device array's): ``done`` is terminated | truncated (not compared when ``done_given`` is
+    False: it was made as their OR), and a row marked False stands only where the env's
+    open episode has no step yet (``open_empty``: (N,) before this chunk, None when not
+    known) and carries no flag. Returns ``open_empty`` after the chunk."""
     done = arrays["done"]
     masks = [arrays[k] for k in ("terminated", "truncated", "valid") if k in arrays]
     # Shapes and dtypes are check_layout's to refuse (called after this, before the chunk
@@ -177,7 +180,7 @@ def check_flags(arrays: dict[str, Any], open_empty: np.ndarray | None) -> np.nda
         return None
     if done.dtype != np.bool_:
         done = done.astype(bool)
-    if "terminated" in arrays:
+    if done_given and "terminated" in arrays:
         term, trunc = arrays["terminated"], arrays["truncated"]
         either = term | trunc
         if not np.array_equal(either, done):

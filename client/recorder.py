@@ -296,17 +296,18 @@ class RolloutRecorder:
         if outcome is not None:
             arrays["outcome"] = _take(outcome, "trajectories.outcome")
         if self.record_states and env_states is not None:
-            get = env_states.get if isinstance(env_states, Mapping) else None
+            state_get = env_states.get if isinstance(env_states, Mapping) else None
             for name, key in self._state_keys:
-                value = get(name) if get else getattr(env_states, name, None)
+                value = state_get(name) if state_get else getattr(env_states, name, None)
                 if value is not None:
                     arrays[key] = (
                         value if type(value) is np.ndarray else _take(value, f"env_states.{name}")
                     )
         # The contract's flags, valid mask and observations (done from the flags' OR).
+        done_given = "done" in arrays
         _chunk.add_contract(arrays, trajectories, get)
         if "valid" in arrays or "terminated" in arrays:
-            open_empty = _checks.check_flags(arrays, self._open_empty)
+            open_empty = _checks.check_flags(arrays, self._open_empty, done_given)
         else:
             open_empty = None
         raw, schema = self._validate(arrays)

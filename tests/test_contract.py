@@ -330,3 +330,34 @@ def test_final_obs_in_some_chunks_only(target):
     assert out.lengths.tolist() == [1, 2, 2, 1]
     assert out.final_states["obs"][:, 0].tolist() == [7.0, 0.0, 9.0, 0.0]
     assert out.episode_done.tolist() == [True, True, True, False]
+
+
+def test_flags_with_env_states_given(target):
+    """terminated and truncated are read from `trajectories` when env_states is given as
+    well (as a mapping or an object), and a `done` that disagrees with them is refused."""
+    T, N = 4, 2
+    term, trunc = np.zeros((T, N), bool), np.zeros((T, N), bool)
+    term[1, 0] = trunc[3, 1] = True
+    positions = np.arange(T * N, dtype=np.float32).reshape(T, N)
+    with RolloutRecorder(
+        target=target, session="flagsstates", record_states=True, state_fields=["x"]
+    ) as rec:
+        chunk = {
+            "action": np.zeros((T, N), np.int32),
+            "reward": np.ones((T, N), np.float32),
+            "terminated": term,
+            "truncated": trunc,
+        }
+        rec.record(chunk, {"x": positions})
+
+        class States:
+            x = positions
+
+        rec.record(chunk, States())
+        with pytest.raises(Exception, match="trajectories.done: expected terminated"):
+            rec.record({**chunk, "done": ~(term | trunc)}, {"x": positions})
+        out = rec.finish()
+    # Over the two chunks' 8 rows env 0 ends at rows 1 and 5 (lengths 2, 4, and a tail of
+    # 2), env 1 at rows 3 and 7 (4, 4).
+    assert out.episode_terminated.sum() == 2 and out.episode_truncated.sum() == 2
+    assert sorted(out.lengths.tolist()) == [2, 2, 4, 4, 4]
