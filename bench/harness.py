@@ -47,7 +47,7 @@ class Params:
     latency_calls: int = 200
     paced_calls: int = 100
     paced_sleep_s: float = 0.010  # the counters rows' step between calls
-    # record() paced: a training step of 5 ms between calls (issue 36), as many calls as
+    # record() paced: a training step of 5 ms between calls, as many calls as
     # back to back so that p99 is not the second-largest of 100.
     record_step_s: float = 0.005
     cap_calls: int = 100

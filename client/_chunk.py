@@ -86,11 +86,14 @@ def _without_contract(trajectories: Any) -> bool:
     return known
 
 
-def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
+def add_contract(
+    arrays: dict[str, Any], trajectories: Any, get: Any, observations: bool = True
+) -> None:
     """Add the contract's optional arrays of ``trajectories`` to ``arrays`` (which holds
     action, reward, done when given, outcome and env state fields): terminated and
     truncated (and done as their OR when it was not given), valid, the observation fields
-    and the final observation's. ``get``: the mapping's get, or None to read attributes.
+    and the final observation's (unless ``observations`` is False). ``get``: the mapping's
+    get, or None to read attributes.
     InvalidChunkError names a field that is missing or given in a way the contract does
     not allow; shapes and values are checked later."""
     if "done" in arrays and _without_contract(trajectories):
@@ -98,7 +101,8 @@ def add_contract(arrays: dict[str, Any], trajectories: Any, get: Any) -> None:
     if get is None:
         get = lambda name: getattr(trajectories, name, None)  # noqa: E731
     terminated, truncated = get("terminated"), get("truncated")
-    valid, obs, final = get("valid"), get("obs"), get("final_obs")
+    valid = get("valid")
+    obs, final = (get("obs"), get("final_obs")) if observations else (None, None)
     if terminated is None and truncated is None and valid is None and obs is None:
         if final is None and "done" in arrays:
             return  # the factoriax call: nothing more to read

@@ -45,6 +45,10 @@ class RolloutRecorder:
     chunk. `finish()` waits for every chunk of this worker to be acknowledged,
     then asks the server for the padded trajectory of the whole session.
 
+    `record_obs=False` leaves a `trajectories` struct's `obs` and `final_obs` unread:
+    a struct that carries observations for other uses (purejaxrl's `Transition`) then
+    records exactly the fields factoriax's recorder does.
+
     Without `target` (and without ROLLOUT_RECORDER_TARGET) the client starts a
     private server process and stops it on `close()`.
 
@@ -80,6 +84,7 @@ class RolloutRecorder:
         capture: TrajectoryTrainingConfiguration | None = None,
         on_data_loss: str = "raise",
         on_error: Callable[[RecorderError], None] | None = None,
+        record_obs: bool = True,
     ) -> None:
         if max_episodes is not None and (
             isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
@@ -106,6 +111,8 @@ class RolloutRecorder:
             raise InvalidNameError(str(exc)) from None
         self.max_episodes = None if max_episodes is None else int(max_episodes)
         self.record_states = bool(record_states)
+        # False: a struct's obs / final_obs are not read (factoriax's field set exactly).
+        self.record_obs = bool(record_obs)
         self.state_fields = _wire.check_state_fields(state_fields)
         self._state_keys = tuple((name, f"state:{name}") for name in self.state_fields)
         if capture is not None and not isinstance(capture, TrajectoryTrainingConfiguration):
@@ -305,7 +312,7 @@ class RolloutRecorder:
                     )
         # The contract's flags, valid mask and observations (done from the flags' OR).
         done_given = "done" in arrays
-        _chunk.add_contract(arrays, trajectories, get)
+        _chunk.add_contract(arrays, trajectories, get, self.record_obs)
         if "valid" in arrays or "terminated" in arrays:
             open_empty = _checks.check_flags(arrays, self._open_empty, done_given)
         else:

@@ -1,4 +1,4 @@
-"""The producer contract of issue 35 end to end: terminated / truncated, the valid mask,
+"""The producer contract end to end: terminated / truncated, the valid mask,
 nested observations and final observations, through a real server, finish() (both of its
 stream forms), a kill -9 with WAL replay and a checkpoint restart.
 
@@ -12,10 +12,12 @@ both flags False and a final observation of zeros.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 from conftest import RestartableServer
+from factoriax_reference import load_factoriax_recorder
 
 from recorder_client import RolloutRecorder, unflatten
 from recorder_client._finish import assemble
@@ -361,3 +363,47 @@ def test_flags_with_env_states_given(target):
     # 2), env 1 at rows 3 and 7 (4, 4).
     assert out.episode_terminated.sum() == 2 and out.episode_truncated.sum() == 2
     assert sorted(out.lengths.tolist()) == [2, 2, 4, 4, 4]
+
+
+class _Transition(NamedTuple):
+    """A purejaxrl-style collection struct: factoriax's three fields and observations."""
+
+    action: np.ndarray
+    reward: np.ndarray
+    done: np.ndarray
+    obs: np.ndarray
+
+
+def test_record_obs_false_records_what_factoriax_records(target):
+    fx = load_factoriax_recorder()
+    if fx is None:
+        pytest.skip("factoriax==0.1.0 not installed")
+    rng = np.random.default_rng(7)
+    chunks = [
+        _Transition(
+            rng.integers(0, 5, (6, 3)).astype(np.int32),
+            rng.normal(size=(6, 3)).astype(np.float32),
+            rng.random((6, 3)) < 0.3,
+            rng.normal(size=(6, 3, 4)).astype(np.float32),
+        )
+        for _ in range(4)
+    ]
+    reference = fx[0]()
+    with (
+        RolloutRecorder(target=target, session="fx-obs-off", record_obs=False) as off,
+        RolloutRecorder(target=target, session="fx-obs-on") as on,
+    ):
+        for chunk in chunks:
+            reference.record(chunk, None)
+            off.record(chunk)
+            on.record(chunk)
+        want, got, with_obs = reference.finish(), off.finish(), on.finish()
+    assert got.states == {}
+    np.testing.assert_array_equal(got.actions, np.asarray(want.actions))
+    np.testing.assert_array_equal(got.rewards, np.asarray(want.rewards))
+    # The default reads the struct's obs: the same episodes, observations beside them.
+    assert set(with_obs.states) == {"obs"}
+    np.testing.assert_array_equal(with_obs.actions, got.actions)
+    env0 = np.concatenate([c.obs[:, 0] for c in chunks])  # episode 0: env 0 from step 0
+    length = int(with_obs.lengths[0])
+    np.testing.assert_array_equal(with_obs.states["obs"][0, :length], env0[:length])

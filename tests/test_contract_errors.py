@@ -1,4 +1,4 @@
-"""Bad input under the producer contract of issue 35: record() refuses it before anything is
+"""Bad input under the producer contract: record() refuses it before anything is
 queued, naming the field, what was expected and what arrived; the same chunks sent past the
 client (raw gRPC) are refused by the server with INVALID_ARGUMENT naming the field, and the
 session goes on as if they never came."""

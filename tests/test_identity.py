@@ -1,4 +1,4 @@
-"""Who may write as a worker (issue 34, failures 2-4): one live stream per (session,
+"""Who may write as a worker: one live stream per (session,
 worker_id), a join's claim of acknowledged chunks checked, and drops that stick.
 
 Real servers on port 0; the truth (chunks, steps, done flags) is counted here with numpy.
