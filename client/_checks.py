@@ -152,11 +152,6 @@ def check_against(previous: Layout, schema: Layout) -> None:
             )
 
 
-def _at(mask: np.ndarray) -> tuple[int, int]:
-    row, env = (int(i) for i in np.argwhere(mask)[0])
-    return row, env
-
-
 def check_flags(
     arrays: dict[str, Any], open_empty: np.ndarray | None, done_given: bool = True
 ) -> np.ndarray | None:
@@ -182,9 +177,9 @@ def check_flags(
         done = done.astype(bool)
     if done_given and "terminated" in arrays:
         term, trunc = arrays["terminated"], arrays["truncated"]
-        either = term | trunc
-        if not np.array_equal(either, done):
-            row, env = _at(either != done)
+        cell = _wire.flags_disagree(done, term, trunc)
+        if cell is not None:
+            row, env = cell
             raise InvalidChunkError(
                 "trajectories.done: expected terminated | truncated, got "
                 f"done={bool(done[row, env])} with terminated={bool(term[row, env])} and "
@@ -196,19 +191,16 @@ def check_flags(
     if not done.shape[0]:
         return open_empty
     if not valid.all():
-        flagged = ~valid & done
-        if flagged.any():
-            row, env = _at(flagged)
+        cell = _wire.flag_on_invalid_row(valid, done)
+        if cell is not None:
+            row, env = cell
             raise InvalidChunkError(
                 f"trajectories.valid: expected no done, terminated or truncated flag on a "
                 f"row marked False, got one at row {row}, env {env}"
             )
-        allowed = np.empty_like(valid)
-        allowed[0] = True if open_empty is None else open_empty
-        allowed[1:] = done[:-1] | ~valid[:-1]
-        bad = ~valid & ~allowed
-        if bad.any():
-            row, env = _at(bad)
+        cell = _wire.invalid_row_in_episode(valid, done, open_empty)
+        if cell is not None:
+            row, env = cell
             raise InvalidChunkError(
                 f"trajectories.valid: expected True at row {row}, env {env}, got False: a "
                 "row outside every episode may only stand where the env's open episode has "

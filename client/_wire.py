@@ -293,6 +293,45 @@ RESERVED_NAMES = frozenset(
 SESSION_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
+# -- the producer contract's value rules (record() and the server apply the same) -----------
+
+
+def first_cell(mask: np.ndarray) -> tuple[int, int] | None:
+    """(row, env) of the first True of a (T, N) mask, or None."""
+    if not mask.any():
+        return None
+    row, env = (int(i) for i in np.argwhere(mask)[0])
+    return row, env
+
+
+def flags_disagree(
+    done: np.ndarray, terminated: np.ndarray, truncated: np.ndarray
+) -> tuple[int, int] | None:
+    """Where ``done`` is not ``terminated | truncated``, or None."""
+    either = terminated | truncated
+    return None if np.array_equal(either, done) else first_cell(either != done)
+
+
+def flag_on_invalid_row(valid: np.ndarray, done: np.ndarray) -> tuple[int, int] | None:
+    """Where a row the valid mask marks False carries a flag, or None."""
+    return None if valid.all() else first_cell(~valid & done)
+
+
+def invalid_row_in_episode(
+    valid: np.ndarray, done: np.ndarray, open_empty: np.ndarray | None
+) -> tuple[int, int] | None:
+    """Where a False row stands inside an episode, or None. A False row may stand only
+    where its env's open episode has no step yet: its first row (``open_empty``: (N,)
+    before the chunk, None when every env's is empty), right after a done, or after
+    another False row."""
+    if not valid.shape[0] or valid.all():
+        return None
+    allowed = np.empty_like(valid)
+    allowed[0] = True if open_empty is None else open_empty
+    allowed[1:] = done[:-1] | ~valid[:-1]
+    return first_cell(~valid & ~allowed)
+
+
 def shown(text: str, limit: int = 64) -> str:
     """``text`` for an error message: quoted, and cut after ``limit`` characters."""
     if not isinstance(text, str):

@@ -463,11 +463,6 @@ def check_schema(
             )
 
 
-def _first(mask: np.ndarray) -> tuple[int, int]:
-    row, env = (int(i) for i in np.argwhere(mask)[0])
-    return row, env
-
-
 def check_contract_headers(arrays: Mapping[str, EncodedArray], tn: list[int]) -> None:
     """The contract's optional arrays, from their headers (nothing decoded yet): the flags
     and the valid mask (T, N) bool, terminated and truncated together, and each
@@ -511,9 +506,9 @@ def check_contract_values(decoded: dict[str, np.ndarray]) -> None:
     done = decoded["done"]
     if "terminated" in decoded:
         term, trunc = decoded["terminated"], decoded["truncated"]
-        either = term | trunc
-        if not np.array_equal(either, done):
-            row, env = _first(either != done)
+        cell = _wire.flags_disagree(done, term, trunc)
+        if cell is not None:
+            row, env = cell
             raise invalid(
                 "chunk.done: expected terminated | truncated, got "
                 f"done={bool(done[row, env])} with terminated={bool(term[row, env])} and "
@@ -522,9 +517,9 @@ def check_contract_values(decoded: dict[str, np.ndarray]) -> None:
     valid = decoded.get("valid")
     if valid is None or valid.all():
         return
-    flagged = ~valid & done
-    if flagged.any():
-        row, env = _first(flagged)
+    cell = _wire.flag_on_invalid_row(valid, done)
+    if cell is not None:
+        row, env = cell
         raise invalid(
             f"chunk.valid: expected no done, terminated or truncated flag on a row marked "
             f"False, got one at row {row} of environment {env}"
@@ -538,14 +533,9 @@ def check_open_rows(valid: np.ndarray, done: np.ndarray, open_empty: np.ndarray 
     """A False row of the valid mask only where that environment's open episode has no step
     yet: its first row, right after a done, or after another False row. ``open_empty``: (N,)
     whether each environment's open episode had no step before the chunk (None: none did)."""
-    if valid.all() or not valid.shape[0]:
-        return
-    allowed = np.empty_like(valid)
-    allowed[0] = True if open_empty is None else open_empty
-    allowed[1:] = done[:-1] | ~valid[:-1]
-    bad = ~valid & ~allowed
-    if bad.any():
-        row, env = _first(bad)
+    cell = _wire.invalid_row_in_episode(valid, done, open_empty)
+    if cell is not None:
+        row, env = cell
         raise invalid(
             f"chunk.valid: expected True at row {row} of environment {env}, got False: a row "
             "outside every episode may only stand where the environment's open episode has "
