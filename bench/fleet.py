@@ -74,24 +74,28 @@ def fleet_scenario(
     with the raw gRPC server fed the same bytes by as many streams (one thread each). The
     round with the median chunk rate is kept on each side."""
 
+    def drive(ctx: Context, mode: str, server: Any, d: Any, n: int) -> dict[str, Any]:
+        # Both sides: the same workers (worker.py's `mode`), server CPU counted from the go.
+        specs = ingest_specs(
+            ctx,
+            mode,
+            processes,
+            server.address,
+            recorders=recorders,
+            window=window,
+            chunks=n,
+            pool=n,
+            num_envs=num_envs,
+        )
+        cpu0 = CpuAtGo(server)
+        results, go_ns, machine = run_workers(specs, d, on_ready=cpu0.mark)
+        return _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
+
     def ours(ctx: Context, tag: str, n: int) -> dict[str, Any]:
         server = ctx.server(tag)
         try:
             idle = server.status()
-            specs = ingest_specs(
-                ctx,
-                "fleet",
-                processes,
-                server.address,
-                recorders=recorders,
-                window=window,
-                chunks=n,
-                pool=n,
-                num_envs=num_envs,
-            )
-            cpu0 = CpuAtGo(server)
-            results, go_ns, machine = run_workers(specs, ctx.tmp / tag, on_ready=cpu0.mark)
-            out = _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
+            out = drive(ctx, "fleet", server, ctx.tmp / tag, n)
             out["server_idle_vm"] = idle
             out["status"] = session_status(server.address, "ingest")
         finally:
@@ -103,20 +107,7 @@ def fleet_scenario(
         d.mkdir(parents=True, exist_ok=True)
         server = RawGrpcServer(d / "server.log", aio=True)
         try:
-            specs = ingest_specs(
-                ctx,
-                "raw_fleet",
-                processes,
-                server.address,
-                recorders=recorders,
-                window=window,
-                chunks=n,
-                pool=n,
-                num_envs=num_envs,
-            )
-            cpu0 = CpuAtGo(server)
-            results, go_ns, machine = run_workers(specs, d, on_ready=cpu0.mark)
-            return _measured(ctx, results, go_ns, machine, server, cpu0.value, num_envs)
+            return drive(ctx, "raw_fleet", server, d, n)
         finally:
             server.stop()
 
