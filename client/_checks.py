@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _wire
+from . import _torch, _wire
 from .capture_types import TrajectoryTrainingConfiguration
 from .errors import InvalidChunkError
 
@@ -161,6 +161,8 @@ def check_flags(
     open episode has no step yet (``open_empty``: (N,) before this chunk, None when not
     known) and carries no flag. Returns ``open_empty`` after the chunk."""
     done = arrays["done"]
+    if isinstance(done, _torch.CpuTensor):  # its values are read here
+        done = arrays["done"] = np.asarray(done)
     masks = [arrays[k] for k in ("terminated", "truncated", "valid") if k in arrays]
     # Shapes and dtypes are check_layout's to refuse (called after this, before the chunk
     # fixes the worker's layout): their values are read only when they are right.

@@ -18,13 +18,14 @@ from ._obs import flatten
 from .errors import InvalidChunkError
 
 
-def take(value: Any, what: str = "trajectories") -> Any:
+def take(value: Any, what: str = "trajectories", defer: bool = True) -> Any:
     """A reference to a host array, or a device array whose host copy has started. ``what``
-    names the field in the error for a value that is no array."""
+    names the field in the error for a value that is no array. A CPU tensor is held for
+    the sender to read (``defer``), or read at once for record() to check its values."""
     if isinstance(value, np.ndarray):
         return value
     if _torch.is_tensor(value):
-        return _torch.take(value, what)
+        return _torch.take(value, what, defer)
     start_copy = getattr(value, "copy_to_host_async", None)
     if start_copy is not None and hasattr(value, "shape") and hasattr(value, "dtype"):
         if not _on_cpu(value):
@@ -125,15 +126,15 @@ def add_contract(
             done = terminated | truncated
         except TypeError:  # lists
             done = np.logical_or(
-                take(terminated, "trajectories.terminated"),
-                take(truncated, "trajectories.truncated"),
+                take(terminated, "trajectories.terminated", defer=False),
+                take(truncated, "trajectories.truncated", defer=False),
             )
         arrays["done"] = take(done, "trajectories.done")
     if terminated is not None:
-        arrays["terminated"] = take(terminated, "trajectories.terminated")
-        arrays["truncated"] = take(truncated, "trajectories.truncated")
+        arrays["terminated"] = take(terminated, "trajectories.terminated", defer=False)
+        arrays["truncated"] = take(truncated, "trajectories.truncated", defer=False)
     if valid is not None:
-        arrays["valid"] = take(valid, "trajectories.valid")
+        arrays["valid"] = take(valid, "trajectories.valid", defer=False)
     if obs is None:
         if final is not None:
             raise InvalidChunkError(

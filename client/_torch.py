@@ -4,8 +4,10 @@ A tensor can only exist once its caller imported torch, so this module finds tor
 ``sys.modules`` and never imports it: the client's dependencies stay grpcio, protobuf, numpy
 and zstandard.
 
-- A CPU tensor is read in place: ``detach().numpy()`` is a view of its memory (no copy),
-  after resolving the lazy conjugate and negative bits numpy cannot see.
+- A CPU tensor is read in place by the sender thread: record() keeps the tensor and its
+  shape and dtype (properties, no call into torch), and the sender takes ``numpy()``, a
+  view of its memory (no copy unless a lazy conjugate or negative bit must be resolved).
+  Where record() reads values (flags, masks, outcome codes) the view is taken at once.
 - A CUDA tensor gets an asynchronous device-to-host copy into pinned memory, and an event
   recorded on its stream after the copy; record() returns at once, and the sender thread
   waits on the event before it reads the bytes (the JAX path's ``copy_to_host_async``).
@@ -76,6 +78,30 @@ class HostCopy:
         return f"HostCopy(shape={self.shape}, dtype={self.dtype})"
 
 
+class CpuTensor:
+    """A CPU tensor held for the sender thread: shape, dtype and nbytes at once, the numpy
+    view of its memory when read (np.asarray). torch's methods release the GIL, and taking
+    it back on the training loop's thread is what record()'s p99 paid for."""
+
+    __slots__ = ("_tensor", "dtype", "nbytes", "shape")
+
+    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
+        self._tensor = tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = dtype
+        n = dtype.itemsize
+        for d in self.shape:
+            n *= d
+        self.nbytes = n
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self._tensor.numpy(force=True)  # a view unless lazy bits need resolving
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"CpuTensor(shape={self.shape}, dtype={self.dtype})"
+
+
 def start_host_copy(tensor: Any) -> HostCopy:
     """Start copying ``tensor`` into fresh host memory: pinned, asynchronous and fenced by
     an event for a CUDA tensor (the event is recorded on the stream the copy runs on); a
@@ -98,18 +124,22 @@ def _refuse(what: str, got: str) -> InvalidChunkError:
     return InvalidChunkError(f"{what}: expected {_EXPECTED}, got {got}")
 
 
-def take(tensor: Any, what: str) -> Any:
-    """A CPU tensor as a numpy view; a CUDA one as a HostCopy under way. InvalidChunkError
-    naming ``what`` for a tensor numpy cannot hold or this process cannot copy."""
+def take(tensor: Any, what: str, defer: bool = True) -> Any:
+    """A CPU tensor as a CpuTensor (``defer``) or a numpy view; a CUDA one as a HostCopy
+    under way. InvalidChunkError naming ``what`` for a tensor numpy cannot hold or this
+    process cannot copy."""
     torch = _torch()
     # Properties only on the common path, no method of the tensor's: those release the GIL,
     # and taking it back from the sender thread cost record() up to 5 ms (bench
     # `latency_torch`: p99 from ~1.8 ms to tens of us).
     if tensor.layout is not torch.strided:
         raise _refuse(what, f"a {tensor.layout} tensor on {tensor.device}")
-    if numpy_dtype(tensor.dtype) is None:
+    dtype = numpy_dtype(tensor.dtype)
+    if dtype is None:
         raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")
     if tensor.is_cpu:
+        if defer:
+            return CpuTensor(tensor, dtype)
         if not tensor.requires_grad:
             try:
                 return tensor.numpy()

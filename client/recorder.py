@@ -301,7 +301,7 @@ class RolloutRecorder:
         if outcome is None:
             outcome = get("outcome") if get else getattr(trajectories, "outcome", None)
         if outcome is not None:
-            arrays["outcome"] = _take(outcome, "trajectories.outcome")
+            arrays["outcome"] = _take(outcome, "trajectories.outcome", defer=False)
         if self.record_states and env_states is not None:
             state_get = env_states.get if isinstance(env_states, Mapping) else None
             for name, key in self._state_keys:

@@ -103,8 +103,35 @@ def test_cpu_tensors_record_exactly_what_numpy_does(target):
 
 def test_cpu_tensor_is_read_in_place():
     tensor = torch.arange(12, dtype=torch.int32).reshape(3, 4)
-    view = torch_input.take(tensor, "trajectories.action")
-    assert isinstance(view, np.ndarray) and np.shares_memory(view, tensor.numpy())
+    held = torch_input.take(tensor, "trajectories.action")  # read later, by the sender
+    assert (held.shape, held.dtype, held.nbytes) == ((3, 4), np.dtype("int32"), 48)
+    assert np.shares_memory(np.asarray(held), tensor.numpy())
+    now = torch_input.take(tensor, "trajectories.action", defer=False)
+    assert isinstance(now, np.ndarray) and np.shares_memory(now, tensor.numpy())
+
+
+def test_flag_tensors_are_checked_at_record(target):
+    traj, _ = numpy_chunks(1)[0]
+    terminated = torch.zeros((T, N), dtype=torch.bool)
+    truncated = torch.zeros((T, N), dtype=torch.bool)
+    truncated[4, 2] = True
+    done = torch.zeros((T, N), dtype=torch.bool)  # says no at row 4, env 2
+    chunk = {**traj, "done": done, "terminated": terminated, "truncated": truncated}
+    with RolloutRecorder(target=target, session="torch-flags") as rec:
+        with pytest.raises(
+            InvalidChunkError, match=r"^trajectories.done: expected .* row 4, env 2"
+        ):
+            rec.record(chunk)
+        valid = torch.ones((T, N), dtype=torch.bool)
+        valid[6, 1] = False  # inside an open episode
+        chunk = {**traj, "terminated": terminated, "truncated": truncated, "valid": valid}
+        chunk.pop("done")
+        with pytest.raises(InvalidChunkError, match=r"^trajectories.valid: expected True at row 6"):
+            rec.record(chunk)
+        outcome = torch.full((T, N), 7, dtype=torch.int32)
+        with pytest.raises(InvalidChunkError, match=r"^trajectories.outcome: .* got 7"):
+            rec.record({**traj, "outcome": outcome})
+        assert rec.stats.chunks_sent == 0
 
 
 @pytest.mark.parametrize(
