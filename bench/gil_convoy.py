@@ -1,7 +1,7 @@
 """What one thread waiting for the GIL costs a Gymnasium loop (docs/performance.md, "Client
 cost per small chunk").
 
-    python bench/gil_convoy.py [--period-ms 6.7] [--rounds 6]
+    python bench/gil_convoy.py [--period-ms 6.7] [--rounds 6] [--switch-ms 5]
 
 Steps a CartPole-v1 SyncVectorEnv (8 envs, no recorder) and, for contrast, a pure Python loop,
 in turns: alone; beside a thread of this process that wakes every period and takes the GIL
@@ -37,7 +37,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--period-ms", type=float, default=6.7)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--switch-ms", type=float, default=None, help="sys.setswitchinterval")
     args = parser.parse_args()
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1e3)
     import gymnasium as gym
 
     period = args.period_ms / 1e3
@@ -79,9 +82,7 @@ def main() -> int:
             work()
             ratios["thread"].append(alone / (time.thread_time() - t0))
             waking.clear()
-            switches_per_wake.append(
-                (voluntary_switches(thread.native_id) - s0) / max(wakes[0], 1)
-            )
+            switches_per_wake.append((voluntary_switches(thread.native_id) - s0) / max(wakes[0], 1))
             other = subprocess.Popen([sys.executable, "-c", code])
             time.sleep(0.05)
             t0 = time.thread_time()
