@@ -4,7 +4,9 @@ a single one.
 Each step becomes one row of preallocated `(T, N, ...)` buffers: the observation the action
 was taken from (`obs`), `action`, `reward`, `terminated`, `truncated`, and on the rows that
 end an episode the observation after the step (`final_obs`). Every `chunk_steps` steps the
-rows go to `RolloutRecorder.record()`; `close()` sends the rest.
+rows go to `RolloutRecorder.record()`; `close()` sends the rest. Observations and actions
+are kept in their spaces' shapes and dtypes (what a vector env's batching gives them): an
+observation that does not fit its space is a ValueError naming the leaf (`obs.pos`).
 
 Autoreset (`envs.metadata["autoreset_mode"]`), by Gymnasium's documented rules:
 
@@ -12,7 +14,7 @@ Autoreset (`envs.metadata["autoreset_mode"]`), by Gymnasium's documented rules:
   episode's first observation with reward 0. That row is recorded with `valid` False: it
   belongs to no episode. The final observation is the one the done step returned.
 - `SAME_STEP`: a done step returns the next episode's first observation; the final one is in
-  `infos["final_obs"]`.
+  `infos["final_obs"]` (or each environment's info, under `DictInfoToList`).
 - `DISABLED`: the caller resets finished environments (`reset(options={"reset_mask": ...})`);
   the final observation is the one the done step returned.
 
@@ -30,7 +32,7 @@ Imports gymnasium (the `[gymnasium]` extra); `import recorder_client` does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import gymnasium
@@ -126,6 +128,9 @@ class _Rows:
         self.recorder = recorder
         self.space = observation_space
         leaves = _leaves(observation_space, "obs")
+        self.where = where
+        self.single = where == "env"  # RecordEpisodes: one env's observation, not a batch
+        self.names = [".".join(["obs", *map(str, path)]) for path, _ in leaves]
         self.leaf_specs = [(space.shape, space.dtype) for _, space in leaves]
         self.getters = [_getter(path) for path, _ in leaves]
         self.plain = leaves[0][0] == ()  # one array, no Dict/Tuple around it
@@ -169,12 +174,43 @@ class _Rows:
         self.reward[t] = reward
         self.terminated[t] = terminated
         self.truncated[t] = truncated
-        if self.plain:
-            self.obs[0][t + 1] = obs
-        else:
-            for get, buf in zip(self.getters, self.obs):
-                buf[t + 1] = get(obs)
+        self._write(t + 1, obs, None)
         self.t = t + 1
+
+    def _write(self, row: int, obs: Any, mask: np.ndarray | None) -> None:
+        """Row `row` of the observation buffers from `obs` (only the environments in `mask`,
+        when given), cast to the observation space's dtypes."""
+        try:
+            if self.plain and mask is None and not self.single:
+                self.obs[0][row] = obs  # a vector env's batching gave it the space's shape
+                return
+            for get, buf, (shape, _) in zip(self.getters, self.obs, self.leaf_specs):
+                value = get(obs)
+                if self.single and np.shape(value) != shape:  # numpy would broadcast it
+                    raise ValueError("shape")
+                if mask is None:
+                    buf[row] = value
+                else:
+                    buf[row][mask] = np.asarray(value)[mask]
+        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(self._misfit(obs, exc)) from None
+
+    def _misfit(self, obs: Any, exc: Exception) -> str:
+        """Which leaf of an observation does not fit its space, and how."""
+        batch = () if self.single else (self.n,)
+        for name, get, (shape, dtype) in zip(self.names, self.getters, self.leaf_specs):
+            want = f"shape {(*batch, *shape)} castable to {dtype} ({self.where}.observation_space)"
+            try:
+                value = np.asarray(get(obs))
+            except (KeyError, IndexError, TypeError, ValueError):
+                return f"{name}: expected {want}, got an observation without it: {obs!r:.200}"
+            if value.shape != (*batch, *shape) or not np.can_cast(value.dtype, dtype, "unsafe"):
+                return f"{name}: expected {want}, got shape {value.shape} {value.dtype}"
+            try:
+                value.astype(dtype)
+            except (TypeError, ValueError, OverflowError):
+                return f"{name}: expected {want}, got {value!r:.200}"
+        return f"obs: expected an observation of {self.space}, got {obs!r:.200} ({exc})"
 
     def add_finals(self, final_obs: np.ndarray, has: np.ndarray) -> None:
         """SAME_STEP: the final observations of the last step, from `infos["final_obs"]`
@@ -215,12 +251,7 @@ class _Rows:
             self.cut[r] |= cut
         if self.mode == AutoresetMode.NEXT_STEP:
             self.unpend.append((t, m if self.reset_cancels_autoreset else m & ~env_pending))
-        for get, buf in zip(self.getters, self.obs):
-            value = np.asarray(get(obs))
-            if mask is None:
-                buf[t] = value
-            else:
-                buf[t][m] = value[m]
+        self._write(t, obs, None if mask is None else m)
         self.started = True
 
     def send(self) -> None:
@@ -277,6 +308,19 @@ class _Rows:
             buf[0] = row
         self._new_chunk()
         self.recorder.record(chunk)
+
+
+def _final_obs(infos: Any) -> tuple[Any, Any]:
+    """SAME_STEP: the final observations a step's infos hold and which environments have
+    one: `infos["final_obs"]` and `infos["_final_obs"]`, or, from a list of per-environment
+    info dicts (`DictInfoToList`), each one's `"final_obs"`. (None, None) when none."""
+    if isinstance(infos, Mapping):
+        final = infos.get("final_obs")
+        return (None, None) if final is None else (final, infos["_final_obs"])
+    has = np.array([isinstance(info, Mapping) and "final_obs" in info for info in infos])
+    if not has.any():
+        return None, None
+    return [info["final_obs"] if h else None for info, h in zip(infos, has)], has
 
 
 def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple[Any, bool]:
@@ -350,9 +394,9 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
         obs, reward, terminated, truncated, infos = self.env.step(actions)
         rows.add(actions, obs, reward, terminated, truncated)
         if self._same_step:
-            final = infos.get("final_obs")
+            final, has = _final_obs(infos)
             if final is not None:
-                rows.add_finals(final, infos["_final_obs"])
+                rows.add_finals(final, has)
         return obs, reward, terminated, truncated, infos
 
     def close(self, **kwargs: Any) -> None:

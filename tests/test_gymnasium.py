@@ -431,3 +431,72 @@ def test_bad_use_is_refused_with_a_clear_error(address):
 
     with pytest.raises(TypeError, match=r"env\.action_space: expected Box, Discrete, .* got Dict"):
         RecordEpisodes(DictAction(), recorder)
+
+
+@pytest.mark.parametrize(
+    ("env_id", "mode", "kind"),
+    [("FrozenLake-v1", NEXT, "sync"), ("Blackjack-v1", SAME, "async")],
+)
+def test_integer_and_tuple_observations_exact(address, env_id, mode, kind):
+    """Gymnasium's toy-text envs: a Discrete observation (FrozenLake returns a Python int)
+    and a Tuple of three Discrete ones (Blackjack), kept as int64."""
+    make = lambda: gym.make(env_id)  # noqa: E731
+    n, steps = 4, 200
+    actions = sample_actions(make().action_space, steps, n, seed=5)
+    envs = vector(kind, make, n, mode)
+    traj = recorded(address, f"{env_id}-{mode.value}", envs, lambda e: drive(e, 2, actions))
+    eps = check(traj, truth(make, 2, actions, mode), f"{env_id} {kind} {mode.value}")
+    assert len(eps) > 40
+    names = ["obs"] if env_id == "FrozenLake-v1" else ["obs.0", "obs.1", "obs.2"]
+    assert sorted(traj.states) == names
+    assert all(traj.states[name].dtype == np.int64 for name in names)
+
+
+def test_same_step_final_obs_from_per_env_info_dicts(address):
+    """Under DictInfoToList the infos are one dict per environment: a done environment's
+    final observation is in its own dict."""
+    n, steps = 4, 150
+    actions = sample_actions(MixedEnv.action_space, steps, n, seed=6)
+    envs = gym.wrappers.vector.DictInfoToList(vector("sync", make_mixed, n, SAME))
+    traj = recorded(address, "list-infos", envs, lambda e: drive(e, 3, actions), chunk_steps=16)
+    eps = check(traj, truth(make_mixed, 3, actions, SAME), "Dict env sync SameStep, list infos")
+    assert sum(e.final is not None for e in eps) > 50
+
+
+def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(address):
+    """A single env's observation is checked against its space (a vector env's batching
+    does that for RecordRollouts): no silent broadcast, no bare KeyError."""
+
+    class Misfit(MixedEnv):
+        def __init__(self, change):
+            self.change = change
+
+        def _obs(self):  # the reset observation fits; the first step's does not
+            obs = super()._obs()
+            return self.change(obs) if self.count else obs
+
+    cases = [
+        (
+            lambda o: {**o, "pos": np.zeros(3, np.float32)},
+            r"obs\.pos: expected shape \(2,\) castable to float32 \(env\.observation_space\), "
+            r"got shape \(3,\) float32",
+        ),
+        (
+            lambda o: {**o, "pos": np.float32(1)},
+            r"obs\.pos: expected shape \(2,\) .* got shape \(\)",
+        ),
+        (
+            lambda o: {k: v for k, v in o.items() if k != "mode"},
+            r"obs\.mode: expected shape \(2,\) castable to int64 .* got an observation without it",
+        ),
+        (
+            lambda o: {**o, "inner": (*o["inner"][:2], {"count": "many"})},
+            r"obs\.inner\.2\.count: expected shape \(\) castable to int32 .* got array\('many'",
+        ),
+    ]
+    with RolloutRecorder(target=address, session="misfit") as recorder:
+        for change, message in cases:
+            env = RecordEpisodes(Misfit(change), recorder)
+            env.reset(seed=0)
+            with pytest.raises(ValueError, match=message):
+                env.step(np.zeros(2, np.float32))
