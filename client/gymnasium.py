@@ -195,11 +195,12 @@ class _Rows:
         except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(self._misfit(obs, exc)) from None
 
-    def _misfit(self, obs: Any, exc: Exception) -> str:
-        """Which leaf of an observation does not fit its space, and how."""
-        batch = () if self.single else (self.n,)
+    def _misfit(self, obs: Any, exc: Exception, single: bool = False) -> str:
+        """Which leaf of an observation (one env's when `single`) does not fit its space."""
+        batch = () if single or self.single else (self.n,)
+        space = "env.observation_space" if self.single else "envs.single_observation_space"
         for name, get, (shape, dtype) in zip(self.names, self.getters, self.leaf_specs):
-            want = f"shape {(*batch, *shape)} castable to {dtype} ({self.where}.observation_space)"
+            want = f"shape {(*batch, *shape)} castable to {dtype} ({space})"
             try:
                 value = np.asarray(get(obs))
             except (KeyError, IndexError, TypeError, ValueError):
@@ -218,8 +219,16 @@ class _Rows:
         r = self.t - 1
         finals = self._finals()
         for i in np.flatnonzero(has):
-            for get, buf in zip(self.getters, finals):
-                buf[r, i] = get(final_obs[i])
+            obs = final_obs[i]  # one env's, unbatched: no vector env checked it
+            try:
+                for get, buf, (shape, _) in zip(self.getters, finals, self.leaf_specs):
+                    value = get(obs)
+                    if np.shape(value) != shape:  # numpy would broadcast it
+                        raise ValueError("shape")
+                    buf[r, i] = value
+            except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+                where = f"infos['final_obs'][{i}]: "
+                raise ValueError(where + self._misfit(obs, exc, single=True)) from None
         self.final_set[r] |= has
 
     def _pending(self, r: int) -> np.ndarray:

@@ -13,7 +13,8 @@ training VecEnv is a row of ``(T, N)`` arrays recorded per the producer contract
 - ``terminated`` / ``truncated``: from ``dones`` and the ``TimeLimit.truncated`` info SB3's
   VecEnvs set (True when the time limit cut an episode that did not also terminate: a step
   Gymnasium reports as both is recorded as terminated, which is all SB3 says of it);
-- ``final_obs``: the ``terminal_observation`` info of each done step.
+- ``final_obs``: the ``terminal_observation`` info of each done step (a done step without
+  one raises ``RecorderError``: zeros would pass for the final observation).
 
 SB3's VecEnvs reset a finished env within the same step (the done step returns the next
 episode's first observation, the last one is in the info), so every row belongs to an episode
@@ -152,8 +153,13 @@ class RecorderCallback(BaseCallback):
             cut = bool(info.get("TimeLimit.truncated", False))
             truncated[env], terminated[env] = cut, not cut
             final = info.get("terminal_observation")
-            if final is not None:
-                _put(buffers["final_obs"], (row, env), final)
+            if final is None:  # zeros would pass for the final observation
+                raise RecorderError(
+                    f"RecorderCallback: infos[{env}]['terminal_observation']: expected the final "
+                    f"observation of env {env}, whose episode ended (SB3's VecEnvs set it), got "
+                    "none (does a VecEnv wrapper drop it?)"
+                )
+            _put(buffers["final_obs"], (row, env), final)
         self._last_dones = dones
         self._last_new_obs = local.get("new_obs")
         self._row = row + 1

@@ -500,3 +500,28 @@ def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(a
             env.reset(seed=0)
             with pytest.raises(ValueError, match=message):
                 env.step(np.zeros(2, np.float32))
+
+
+def test_a_same_step_final_observation_that_does_not_fit_is_refused(address):
+    """Under same-step autoreset the final observation reaches the wrapper unbatched (the
+    vector env only batches the reset one): it is checked against the space too."""
+
+    class BadFinal(MixedEnv):
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            if terminated:
+                obs = {**obs, "pos": np.zeros(3, np.float32)}
+            return obs, reward, terminated, truncated, info
+
+    make = lambda: gym.wrappers.TimeLimit(BadFinal(), MAX_STEPS)  # noqa: E731
+    message = (
+        r"infos\['final_obs'\]\[\d\]: obs\.pos: expected shape \(2,\) castable to float32 "
+        r"\(envs\.single_observation_space\), got shape \(3,\) float32"
+    )
+    with RolloutRecorder(target=address, session="bad-final") as recorder:
+        envs = RecordRollouts(vector("sync", make, 2, SAME), recorder)
+        envs.reset(seed=0)
+        with pytest.raises(ValueError, match=message):
+            for _ in range(200):
+                envs.step(np.zeros((2, 2), np.float32))
+        envs.env.close()

@@ -200,3 +200,25 @@ def test_a_learn_that_resets_open_episodes_is_refused(target):
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"^chunk_steps: expected a positive integer, got 0"):
         RecorderCallback(object(), chunk_steps=0)
+
+
+def test_a_done_step_without_its_terminal_observation_is_refused(target):
+    """Zeros would pass for the final observation: a VecEnv that drops it is named."""
+    from stable_baselines3.common.vec_env import VecEnvWrapper
+
+    class DropFinal(VecEnvWrapper):
+        def reset(self):
+            return self.venv.reset()
+
+        def step_wait(self):
+            obs, rewards, dones, infos = self.venv.step_wait()
+            for info in infos:
+                info.pop("terminal_observation", None)
+            return obs, rewards, dones, infos
+
+    envs, _ = logged_envs(2, PPO_STEPS)
+    message = r"infos\[\d\]\['terminal_observation'\]: expected the final observation of env \d"
+    with RolloutRecorder(target=target, session="drop") as recorder:
+        model = sb3.PPO("MlpPolicy", DropFinal(envs), n_steps=32, batch_size=64, n_epochs=1)
+        with pytest.raises(RecorderError, match=message):
+            model.learn(64, callback=RecorderCallback(recorder, chunk_steps=16))
