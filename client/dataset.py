@@ -30,6 +30,7 @@ endpoint (``AWS_ENDPOINT_URL``) included.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from typing import Any
@@ -44,6 +45,8 @@ METADATA_KEY = b"rollout_recorder"
 PARTITION = "session"
 DATASET_FILE = "_dataset.json"
 SESSION_FILE = "_session.json"
+# Per node and session: every column of that node's files (recorder_server.dataset.sink).
+COLUMNS_FILE = "_columns-{node}.json"
 # The sink's file names (recorder_server.dataset.layout.file_name).
 FILE_NAME = re.compile(r"part-(?P<node>.+)-g(?P<generation>\d+)-(?P<seq>\d+)\.parquet")
 
@@ -141,14 +144,21 @@ def open_dataset(
             f"{uri}: no episode files (expected {PARTITION}=NAME/part-*.parquet, written by "
             "serve --dataset-uri or rollout-recorder export)"
         )
-    # The first and last file of each session directory: sessions may record different
-    # state fields, and a session's later files may hold columns its first lacks (written
-    # by a newer server).
-    ends: dict[str, list[str]] = {}
+    # Each node's columns file lists every column of its files: one small read per node
+    # and session instead of every file's footer. Without one (files of an older server, an
+    # older export, a file of another name), every one of those files' schemas is read.
+    groups: dict[tuple[str, str | None], list[str]] = {}
     for path in files:
-        ends.setdefault(path.rsplit("/", 1)[0], [path, path])[1] = path
-    picked = sorted({p for pair in ends.values() for p in pair})
-    schemas = [ds.dataset(p, filesystem=fs, format="parquet").schema for p in picked]
+        directory, name = path.rsplit("/", 1)
+        match = FILE_NAME.fullmatch(name)
+        groups.setdefault((directory, match["node"] if match else None), []).append(path)
+    schemas = []
+    for (directory, node), paths in groups.items():
+        recorded = None if node is None else _read_columns(fs, columns_path(directory, node))
+        if recorded is None:
+            schemas.extend(file_schema(fs, p) for p in paths)
+        else:
+            schemas.append(recorded)
     partitioning = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
     return ds.dataset(
         files,
@@ -158,6 +168,52 @@ def open_dataset(
         partitioning=partitioning,
         partition_base_dir=root,
     )
+
+
+def columns_path(directory: str, node: str) -> str:
+    """The columns file of ``node`` in a session directory."""
+    return f"{directory}/{COLUMNS_FILE.format(node=node)}"
+
+
+def file_schema(fs: Any, path: str) -> Any:
+    """An episode file's Arrow schema, as readers see it, from its footer (no metadata)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path, filesystem=fs).remove_metadata()
+
+
+def columns_document(session: str, node: str, schema: Any) -> dict[str, Any]:
+    """The columns file's content: every column of ``node``'s files of ``session``, with its
+    Arrow type (``schema`` whole, as Arrow IPC in base64, for readers to unify)."""
+    schema = schema.remove_metadata()
+    return {
+        "format": "rollout-recorder columns",
+        "layout": LAYOUT_VERSION,
+        "session": session,
+        "node": node,
+        "columns": [{"name": f.name, "type": str(f.type)} for f in schema],
+        "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
+    }
+
+
+def columns_file(fs: Any, root: str, session: str, node: str) -> Any:
+    """The Arrow schema ``node``'s columns file gives for ``session`` (every column of that
+    node's files there); None without one that reads."""
+    return _read_columns(fs, columns_path(f"{root}/{PARTITION}={session}", node))
+
+
+def _read_columns(fs: Any, path: str) -> Any:
+    _, pa, _ = _require()
+    try:
+        document = json.loads(fs.cat_file(path))
+        if document.get("layout") != LAYOUT_VERSION:
+            return None
+        schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(document["arrow_schema"])))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None  # unreadable: the files' own schemas are read instead
+    if schema.names != [c.get("name") for c in document.get("columns", [])]:
+        return None
+    return schema
 
 
 def file_metadata(schema: Any) -> dict[str, Any]:

@@ -466,5 +466,40 @@ def describe(
     )
 
 
+def payload_schema(payload: bytes | Staged) -> Any:
+    """The Arrow schema readers will see in an episode file `EpisodeFile.finish` gave."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = payload.path if isinstance(payload, Staged) else pa.BufferReader(payload)
+    return pq.read_schema(source).remove_metadata()
+
+
+def node_files(fs: Any, root: str, session: str, node: str) -> list[str]:
+    """The episode files of ``node`` in ``session`` (every generation)."""
+    found = []
+    for path in layout.episode_files(fs, session_dir(root, session)):
+        match = FILE_NAME.fullmatch(path.rsplit("/", 1)[-1])
+        if match is not None and match["node"] == node:
+            found.append(path)
+    return found
+
+
+def with_columns(known: Any, schema: Any) -> Any:
+    """``known`` with the columns of ``schema`` it lacks appended (by name: a column whose
+    type changed keeps its first, as a reader's scan of both would have to)."""
+    import pyarrow as pa
+
+    if known is None:
+        return schema
+    return pa.schema([*known, *(f for f in schema if f.name not in known.names)])
+
+
+def write_columns(fs: Any, root: str, session: str, node: str, schema: Any) -> None:
+    """Write ``node``'s columns file of ``session`` whole (see `recorder_client.dataset`)."""
+    path = layout.columns_path(session_dir(root, session), node)
+    put_whole(fs, path, _json(layout.columns_document(session, node, schema)))
+
+
 def _json(value: Any) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()

@@ -136,6 +136,8 @@ class DatasetSink:
         self.metrics = metrics
         self._states: dict[str, _State] = {}
         self._described: set[str] = set()
+        # (session, node) -> every column its files hold, as its columns file lists them.
+        self._columns: dict[tuple[str, str], Any] = {}
         self._stop = threading.Event()
         self._lag_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -375,6 +377,7 @@ class DatasetSink:
             out.discard()
             raise
         try:
+            self._record_columns(session.name, intent.node or self.node, payload)
             size = layout.put_whole(self.fs, path, payload)
         finally:
             out.discard()  # a staged file not renamed into place goes
@@ -383,6 +386,23 @@ class DatasetSink:
         self.metrics.inc("Recorder/dataset_episodes_written", episodes, **labels)
         self.metrics.inc("Recorder/dataset_steps_written", steps, **labels)
         self.metrics.inc("Recorder/dataset_bytes_written", size, **labels)
+
+    def _record_columns(self, session: str, node: str, payload: Any) -> None:
+        """Before a file that adds a column is committed, the node's columns file lists it:
+        readers take a session's columns from there instead of every file's footer. Without
+        one yet, this node's files there (an older server's) are read once to start it."""
+        key = (session, node)
+        known = self._columns.get(key)
+        if known is None:
+            known = client_dataset.columns_file(self.fs, self.root, session, node)
+        absent = known is None
+        if absent:
+            for path in layout.node_files(self.fs, self.root, session, node):
+                known = layout.with_columns(known, client_dataset.file_schema(self.fs, path))
+        merged = layout.with_columns(known, layout.payload_schema(payload))
+        if absent or merged.names != known.names:
+            layout.write_columns(self.fs, self.root, session, node, merged)
+        self._columns[key] = merged
 
     def _encoder(self) -> ThreadPoolExecutor:
         if self._encoding is None:
