@@ -4,6 +4,7 @@ Layout (one row per step, partitioned by session)::
 
     URI/_dataset.json                              format, layout version, column meanings
     URI/session=NAME/_session.json                 dtypes, trailing shapes, configuration
+    URI/session=NAME/_columns-NODE.json            every column of NODE's files, Arrow types
     URI/session=NAME/part-NODE-gG-SEQ.parquet      finished episodes, whole files
 
 Columns: ``episode_id`` (``NODE/SESSION/G/WORKER_INDEX/ENV/START``, unique across sidecars),
@@ -22,6 +23,15 @@ recorded (``final_obs``), set on each episode's last step and null on every othe
 A field with trailing dimensions is a fixed-size list of the flattened step; each file's
 Parquet metadata (``rollout_recorder``) holds the dtypes and shapes to restore. Names starting
 with ``_`` are skipped by Parquet readers (Arrow, Spark, DuckDB globs of ``*.parquet``).
+
+Files of one session need not have the same columns: ``final.<column>`` is in a file when
+one of its episodes' chunks sent that final observation, and sidecars (or generations) of a
+session may record different fields. Each sidecar keeps ``_columns-NODE.json`` (one writer
+each, replaced whole like every file here), every column its files of the session hold, with
+its Arrow type, ``final.*`` included; it lists a new column before it commits the file that
+adds it, and starts the list from its older files' footers when there is none. `open_dataset`
+unifies these lists, one small read per node and session, and reads the footers of every
+file of a node without one (files of an older server or export): no column is left out.
 
 pyarrow and fsspec are imported on first use (``pip install 'rollout-recorder[dataset]'``;
 s3fs for ``s3://``). S3 settings come from the standard AWS environment variables, the
@@ -131,7 +141,8 @@ def open_dataset(
     uri: str, *, storage_options: dict | None = None, session: str | None = None
 ) -> Any:
     """The episodes under ``uri`` as a ``pyarrow.dataset.Dataset`` (``session`` is a column);
-    with ``session``, that session's files alone (another may record other dtypes).
+    with ``session``, that session's files alone (another may record other dtypes). Its
+    schema holds every column of every file (a file without one reads null there).
 
     Raises FileNotFoundError when no episode file is there yet."""
     _, pa, ds = _require()
@@ -209,10 +220,10 @@ def _read_columns(fs: Any, path: str) -> Any:
         if document.get("layout") != LAYOUT_VERSION:
             return None
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(document["arrow_schema"])))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        if schema.names != [c["name"] for c in document["columns"]]:
+            return None
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: the files' own schemas are read instead
-    if schema.names != [c.get("name") for c in document.get("columns", [])]:
-        return None
     return schema
 
 

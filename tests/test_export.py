@@ -9,7 +9,13 @@ from conftest import export
 from test_remote_basic import make_chunk
 
 from recorder_client import RolloutRecorder, Trajectory, fetch_episodes
-from recorder_client.dataset import read_episodes
+from recorder_client.dataset import (
+    columns_file,
+    episode_files,
+    file_schema,
+    filesystem,
+    read_episodes,
+)
 from recorder_server.dataset.export import write_minari, write_parquet
 
 minari = pytest.importorskip("minari")
@@ -79,6 +85,10 @@ def test_parquet_export_reads_back_as_finish(target, tmp_path):
     assert summary["files"] > 1 and len(seen) == summary["files"]
     assert seen[-1] == (out.num_episodes, summary["bytes"])
     assert_identical(out, read_episodes(str(tmp_path / "small"), "pq"))
+    # The export lists its files' columns as the sink does (readers need no footers).
+    fs, root = filesystem(str(tmp_path / "small"))
+    footers = [file_schema(fs, p) for p in episode_files(fs, root)]
+    assert columns_file(fs, root, "pq", "export") == footers[0] == footers[-1]
 
 
 def test_minari_export_loads_back_step_for_step(target, tmp_path, monkeypatch):

@@ -126,8 +126,7 @@ def write_parquet(
             finals={f.column: trajectory.final_states[f.name][rows] for f in finals},
             final_valid={f.column: ended[rows] for f in finals},
         )
-        table = layout.episode_table(episodes, fields, config, finals)
-        data = layout.parquet_bytes(table)
+        data = layout.parquet_bytes(layout.episode_table(episodes, fields, config, finals))
         if seq == 0:  # every file has the same columns: listed before the first lands
             layout.write_columns(fs, root, session, node, layout.payload_schema(data))
         layout.put_whole(fs, f"{directory}/{layout.file_name(node, 0, seq)}", data)

@@ -462,7 +462,17 @@ def describe(
     put_whole(
         fs,
         f"{session_dir(root, session)}/{layout.SESSION_FILE}",
-        _json({"session": session, "fields": [f.to_dict() for f in fields], "config": config}),
+        _json(
+            {
+                "session": session,
+                "fields": [f.to_dict() for f in fields],
+                "config": config,
+                "columns": (
+                    f"every column of a node's files, final.* included, with its Arrow type: "
+                    f"{layout.COLUMNS_FILE.format(node='NODE')}"
+                ),
+            }
+        ),
     )
 
 
@@ -487,7 +497,8 @@ def node_files(fs: Any, root: str, session: str, node: str) -> list[str]:
 
 def with_columns(known: Any, schema: Any) -> Any:
     """``known`` with the columns of ``schema`` it lacks appended (by name: a column whose
-    type changed keeps its first, as a reader's scan of both would have to)."""
+    type differs keeps the one listed first, and the write goes on; readers cast the file's
+    column or report the difference)."""
     import pyarrow as pa
 
     if known is None:
