@@ -18,8 +18,9 @@ training VecEnv is a row of ``(T, N)`` arrays recorded per the producer contract
 
 SB3's VecEnvs reset a finished env within the same step (the done step returns the next
 episode's first observation, the last one is in the info), so every row belongs to an episode
-and no ``valid`` mask is needed. The values are the training VecEnv's: under VecNormalize,
-normalized observations and rewards.
+and no ``valid`` mask is needed. The values are the training VecEnv's, as the algorithm saw
+them: under VecNormalize, normalized observations and rewards; under the VecTransposeImage
+SB3 adds for image observations, channel-first images; under VecFrameStack, stacked frames.
 
 Steps are buffered ``chunk_steps`` at a time; the rest is recorded, and acknowledged, when
 training ends. Open episodes stay open across ``learn()`` calls that continue them

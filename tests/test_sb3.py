@@ -6,6 +6,8 @@ what the VecEnv sees): the observation each action was taken from, the action, t
 both flags and the observation after the step, split into episodes where a flag is set. SB3
 reports a step that is both terminated and truncated as terminated (its TimeLimit.truncated
 info is ``truncated and not terminated``): the truth says so too, and counts such steps.
+Under VecEnv wrappers that change the values the algorithm sees (VecNormalize,
+VecTransposeImage), the truth is logged around them instead (VecLog).
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from recorder_client import RecorderError, RolloutRecorder
 
 gym = pytest.importorskip("gymnasium")
 sb3 = pytest.importorskip("stable_baselines3")
-from stable_baselines3.common.vec_env import DummyVecEnv  # noqa: E402
+from stable_baselines3.common.vec_env import (  # noqa: E402
+    DummyVecEnv,
+    VecEnvWrapper,
+    VecNormalize,
+    VecTransposeImage,
+)
 
 from recorder_client.sb3 import RecorderCallback  # noqa: E402
 
@@ -204,7 +211,6 @@ def test_bad_arguments_are_refused():
 
 def test_a_done_step_without_its_terminal_observation_is_refused(target):
     """Zeros would pass for the final observation: a VecEnv that drops it is named."""
-    from stable_baselines3.common.vec_env import VecEnvWrapper
 
     class DropFinal(VecEnvWrapper):
         def reset(self):
@@ -222,3 +228,68 @@ def test_a_done_step_without_its_terminal_observation_is_refused(target):
         model = sb3.PPO("MlpPolicy", DropFinal(envs), n_steps=32, batch_size=64, n_epochs=1)
         with pytest.raises(RecorderError, match=message):
             model.learn(64, callback=RecorderCallback(recorder, chunk_steps=16))
+
+
+class VecLog(VecEnvWrapper):
+    """What a VecEnv (VecNormalize, VecTransposeImage ...) returned to the algorithm, per env,
+    in StepLog's form: logged by a VecEnvWrapper around it."""
+
+    def __init__(self, venv) -> None:
+        super().__init__(venv)
+        self.logs: list[list] = [[] for _ in range(venv.num_envs)]
+
+    def reset(self):
+        self.obs = self.venv.reset()
+        return self.obs
+
+    def step_async(self, actions) -> None:
+        self.actions = np.array(actions)
+        self.venv.step_async(actions)
+
+    def step_wait(self):
+        obs, rewards, dones, infos = self.venv.step_wait()
+        for i, log in enumerate(self.logs):
+            cut = bool(infos[i].get("TimeLimit.truncated", False))
+            after = infos[i]["terminal_observation"] if dones[i] else obs[i]
+            log.append(
+                (self.obs[i].copy(), self.actions[i], rewards[i], dones[i] and not cut, cut, after)
+            )
+        self.obs = obs
+        return obs, rewards, dones, infos
+
+
+class Pictures(gym.Env):
+    """Random (36, 36, 3) uint8 images, the smallest SB3's CnnPolicy takes."""
+
+    observation_space = gym.spaces.Box(0, 255, (36, 36, 3), np.uint8)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.integers(0, 256, (36, 36, 3), dtype=np.uint8), {}
+
+    def step(self, action):
+        obs, _ = self.reset()
+        return obs, float(action), bool(self.np_random.random() < 0.1), False, {}
+
+
+@pytest.mark.parametrize("wrapper", ["VecNormalize", "VecTransposeImage"])
+def test_values_are_the_ones_the_algorithm_saw_through_vec_wrappers(target, wrapper):
+    """Under VecNormalize the recorded observations and rewards are the normalized ones; an
+    image env gets SB3's VecTransposeImage: channel-first images. The truth is logged
+    around those wrappers; the env's own returns (StepLog) differ from it."""
+    if wrapper == "VecNormalize":
+        envs, raw = logged_envs(4, PPO_STEPS)
+        envs, policy = VecLog(VecNormalize(envs)), "MlpPolicy"
+    else:
+        raw = [[] for _ in range(2)]
+        make = lambda i: lambda: StepLog(gym.wrappers.TimeLimit(Pictures(), 15), raw[i])  # noqa: E731
+        envs, policy = VecLog(VecTransposeImage(DummyVecEnv([make(0), make(1)]))), "CnnPolicy"
+    with RolloutRecorder(target=target, session=wrapper) as recorder:
+        model = sb3.PPO(policy, envs, n_steps=32, batch_size=64, n_epochs=1, seed=0)
+        model.learn(256, callback=RecorderCallback(recorder, chunk_steps=24))
+        traj = recorder.finish()
+    result = compare(traj, envs.logs)
+    assert result["terminated"] > 3 and result["episodes"] > 10
+    assert result["mismatches"] == 0
+    assert compare(traj, raw)["mismatches"] > 0  # the env's own values are not what SB3 saw
