@@ -101,6 +101,17 @@ def check_layout(
             _wire.check_dtype(dtype, label)
         except ValueError as exc:
             raise InvalidChunkError(str(exc)) from None
+    observed = [k[len("state:") :] for k in schema if _is_obs(k)]
+    fields = sum(k.startswith("state:") for k in schema)
+    if fields > _wire.MAX_STATE_FIELDS:
+        raise InvalidChunkError(
+            f"{'trajectories.obs' if observed else 'env_states'}: expected at most "
+            f"{_wire.MAX_STATE_FIELDS} state fields (observation fields and env_states "
+            f"together), got {fields}"
+        )
+    problem = _wire.obs_names_error(observed) if observed else None
+    if problem is not None:  # trajectories.obs flattens to good names: env_states' are not
+        raise InvalidChunkError(f"env_states: {problem}")
     if capture is not None:  # the store keys cells on them: the server refuses without
         for cell in capture.cell_fields:
             if f"state:{cell.state_field}" not in schema:

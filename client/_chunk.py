@@ -115,6 +115,11 @@ def add_contract(
             f"trajectories.{missing}: expected an array alongside trajectories.{given} "
             "(give both, or done alone), got none"
         )
+    if terminated is not None:
+        term = take(terminated, "trajectories.terminated", defer=False)
+        trunc = take(truncated, "trajectories.truncated", defer=False)
+        # Before their OR, which would fail or broadcast on other shapes and dtypes.
+        _check_pair(term, trunc, arrays["action"].shape)
     if "done" not in arrays:
         if terminated is None:
             raise InvalidChunkError(
@@ -124,15 +129,11 @@ def add_contract(
         # On the caller's arrays, before any host copy: a device array's OR stays there.
         try:
             done = terminated | truncated
-        except TypeError:  # lists
-            done = np.logical_or(
-                take(terminated, "trajectories.terminated", defer=False),
-                take(truncated, "trajectories.truncated", defer=False),
-            )
+        except (TypeError, RuntimeError):  # lists; a tensor with an array of another kind
+            done = np.logical_or(term, trunc)
         arrays["done"] = take(done, "trajectories.done")
     if terminated is not None:
-        arrays["terminated"] = take(terminated, "trajectories.terminated", defer=False)
-        arrays["truncated"] = take(truncated, "trajectories.truncated", defer=False)
+        arrays["terminated"], arrays["truncated"] = term, trunc
     if valid is not None:
         arrays["valid"] = take(valid, "trajectories.valid", defer=False)
     if obs is None:
@@ -162,3 +163,18 @@ def add_contract(
             )
         for name, value in finals:
             arrays[f"final:{name}"] = take(value, f"trajectories.final_{name}")
+
+
+def _check_pair(terminated: Any, truncated: Any, action_shape: Any) -> None:
+    """terminated and truncated: bool, of shape (T, N) like the action (or like each other
+    when the action's own shape is wrong, which check_layout refuses)."""
+    want = tuple(action_shape[:2]) if len(action_shape) in (2, 3) else None
+    for name, value in (("terminated", terminated), ("truncated", truncated)):
+        shape = tuple(value.shape)
+        if want is None:
+            want = shape if len(shape) == 2 else None
+        if shape != want:
+            expected = "(T, N)" if want is None else f"(T, N) = {want}"
+            raise InvalidChunkError(f"trajectories.{name}: expected shape {expected}, got {shape}")
+        if np.dtype(value.dtype) != np.bool_:
+            raise InvalidChunkError(f"trajectories.{name}: expected dtype bool, got {value.dtype}")

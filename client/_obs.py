@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from . import _wire
 from .errors import InvalidChunkError
 
 
@@ -17,13 +18,20 @@ def flatten(value: Any, prefix: str, label: str) -> list[tuple[str, Any]]:
     """(name, array) of every leaf of ``value``: the value itself when it is an array, else
     one per dict key (``prefix.key``) or tuple / list item (``prefix.i``), recursively.
     ``label`` names the argument in errors (``trajectories.obs``)."""
+    if len(prefix) > _wire.MAX_FIELD_NAME:  # bounds the nesting too (a dict holding itself)
+        raise InvalidChunkError(
+            f"{label.split('[', 1)[0]}: expected field names of at most "
+            f"{_wire.MAX_FIELD_NAME} characters (the keys joined by dots), got "
+            f"{_wire.shown(prefix)}"
+        )
     if isinstance(value, Mapping):
         out: list[tuple[str, Any]] = []
         for key, item in value.items():
-            if not isinstance(key, str) or not key or "." in key:
+            if not isinstance(key, str) or not key or "." in key or not key.isprintable():
                 raise InvalidChunkError(
-                    f"{label}: expected dict keys that are non-empty strings without '.' "
-                    f"(they become field names joined by dots), got {key!r}"
+                    f"{label}: expected dict keys that are non-empty printable strings "
+                    f"without '.' (they become field names joined by dots), got "
+                    f"{_wire.shown(key)}"
                 )
             out += flatten(item, f"{prefix}.{key}", f"{label}[{key!r}]")
         if not out:

@@ -132,8 +132,9 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
     # Properties only on the common path, no method of the tensor's: those release the GIL,
     # and taking it back from the sender thread cost record() up to 5 ms (bench
     # `latency_torch`: p99 from ~1.8 ms to tens of us).
-    if tensor.layout is not torch.strided:
-        raise _refuse(what, f"a {tensor.layout} tensor on {tensor.device}")
+    if tensor.layout is not torch.strided or tensor.is_nested:  # a nested one has no shape
+        kind = "nested" if tensor.is_nested else tensor.layout
+        raise _refuse(what, f"a {kind} tensor on {tensor.device}")
     dtype = numpy_dtype(tensor.dtype)
     if dtype is None:
         raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")

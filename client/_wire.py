@@ -361,6 +361,36 @@ def check_worker_id(worker_id: str) -> str:
     return worker_id
 
 
+#: Characters a state field name may have (the observation fields' included).
+MAX_FIELD_NAME = 128
+#: State fields one chunk may carry (observation fields included): each costs the session a
+#: schema entry and finish() an output array.
+MAX_STATE_FIELDS = 1024
+
+
+def obs_names_error(names: Sequence[str]) -> str | None:
+    """Why observation field names (``obs``, ``obs.<key>``, ``obs.<key>.<key>`` ...) cannot
+    be recorded together, or None: each printable, at most MAX_FIELD_NAME characters, no
+    key empty, and none also the prefix of another (a field that holds fields cannot be
+    rebuilt into a dict)."""
+    taken = set(names)
+    for name in names:
+        if len(name) > MAX_FIELD_NAME or not name.isprintable() or "" in name.split("."):
+            return (
+                f"expected observation fields named 'obs' or 'obs.<key>...' with non-empty "
+                f"printable keys, at most {MAX_FIELD_NAME} characters, got {shown(name)}"
+            )
+        parts = name.split(".")
+        for i in range(1, len(parts)):
+            inner = ".".join(parts[:i])
+            if inner in taken:
+                return (
+                    f"expected no observation field that also holds fields, got "
+                    f"{shown(inner)} and {shown(name)}"
+                )
+    return None
+
+
 def trajectory_name(state_field: str) -> str:
     return STATE_TO_TRAJECTORY.get(state_field, state_field)
 

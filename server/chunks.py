@@ -26,9 +26,8 @@ STATE = "state:"
 FINAL = "final:"
 FLAGS = ("terminated", "truncated")
 _NUM_OUTCOMES = len(EpisodeOutcome)
-# State fields one chunk may carry: each costs the session a schema entry and finish() an
-# output array.
-MAX_STATE_FIELDS = 1024
+# State fields one chunk may carry (record() refuses more as well).
+MAX_STATE_FIELDS = _wire.MAX_STATE_FIELDS
 # Decoded before every ack: episodes are split and counted from them.
 ALWAYS_DECODED = frozenset({"done", "reward", "outcome", "terminated", "truncated", "valid"})
 # Optional chunk by chunk, so outside the session's schema (a finish reads them per chunk).
@@ -378,6 +377,10 @@ def decode_chunk(
         shape = list(arrays[STATE + name].shape)
         if len(shape) < 2 or shape[:2] != tn:
             raise invalid(f"{what}: expected shape starting with {tn} (T, N), got {shape}")
+    observed = [name for name in sent if is_obs_field(name)]
+    problem = _wire.obs_names_error(observed) if observed else None
+    if problem is not None:  # their names come unannounced: checked as the client does
+        raise invalid(f"chunk.states: {problem}")
     if config.capture is not None:
         # The store keys cells on state fields; a chunk without them cannot feed it.
         for cell in config.capture.cell_fields:

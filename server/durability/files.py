@@ -16,12 +16,24 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 
+# writev takes at most this many buffers a call (EINVAL beyond); a chunk with many state
+# fields has more parts than that.
+def _iov_max() -> int:
+    try:
+        return max(os.sysconf("SC_IOV_MAX"), 16)  # -1: no limit stated; 16, POSIX's least
+    except (AttributeError, OSError, ValueError):
+        return 16
+
+
+_IOV_MAX = _iov_max()
+
+
 def write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
     """Write every byte of ``parts`` in order (os.writev, resumed after short writes)."""
     views = [memoryview(p).cast("B") for p in parts]
     views = [v for v in views if v.nbytes]
     while views:
-        written = os.writev(fd, views)
+        written = os.writev(fd, views[:_IOV_MAX])
         while written and views:
             if written >= views[0].nbytes:
                 written -= views[0].nbytes
