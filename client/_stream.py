@@ -459,9 +459,11 @@ class ChunkSender:
             self._progress = True
             self.stats.chunks_acked += 1
             if ack.result == pb.RecordAck.REJECTED:
-                self._report(
-                    from_status(ack.error_code or "UNKNOWN", ack.error_message, self._target)
-                )
+                # A chunk that did not encode went as an empty one: reported then, not again.
+                if item.request is None or item.request.chunk.HasField("action"):
+                    self._report(
+                        from_status(ack.error_code or "UNKNOWN", ack.error_message, self._target)
+                    )
                 self._on_refused(item)
             elif ack.result == pb.RecordAck.DROPPED_FULL:
                 self.stats.chunks_dropped_full += 1

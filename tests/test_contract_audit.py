@@ -261,3 +261,18 @@ def test_write_all_writes_more_buffers_than_one_writev_takes(tmp_path: Path):
     with open(path, "wb") as handle:
         files.write_all(handle.fileno(), parts)
     assert path.read_bytes() == b"".join(parts)
+
+
+def test_a_chunk_that_cannot_be_encoded_is_reported_once(recorder, caplog):
+    """An exbibyte seen through one element (beyond any address space: no allocation can
+    succeed). record() queues it (its header is all it reads), the sender cannot make it
+    contiguous and says so; the empty chunk sent in its place keeps the sequence, and the
+    server's refusal of that one is not reported as a second error."""
+    huge = np.broadcast_to(np.float32(0), (T, N, 1 << 55))
+    assert recorder.record(_base(done=_zeros(T, N), obs={"a": huge}))
+    with pytest.raises(InvalidChunkError, match=r"^chunk 1 could not be encoded: "):
+        recorder.flush(timeout=30)
+    _good_chunk_is_stored(recorder)
+    assert recorder.stats.chunks_acked == 2
+    told = [r.getMessage() for r in caplog.records if r.name.startswith("recorder_client")]
+    assert not [m for m in told if "chunk.action" in m], told
