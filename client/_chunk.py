@@ -155,11 +155,11 @@ def add_contract(
         names.append(name)
     if final is not None:
         finals = flatten(final, "obs", "trajectories.final_obs")
-        got = [name for name, _ in finals]
-        if got != names:
+        got = sorted(name for name, _ in finals)
+        if got != sorted(names):  # a dict's keys in another order are the same structure
             raise InvalidChunkError(
                 f"trajectories.final_obs: expected the structure of trajectories.obs "
-                f"(fields {names}), got fields {got}"
+                f"(fields {sorted(names)}), got fields {got}"
             )
         for name, value in finals:
             arrays[f"final:{name}"] = take(value, f"trajectories.final_{name}")

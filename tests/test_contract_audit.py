@@ -276,3 +276,15 @@ def test_a_chunk_that_cannot_be_encoded_is_reported_once(recorder, caplog):
     assert recorder.stats.chunks_acked == 2
     told = [r.getMessage() for r in caplog.records if r.name.startswith("recorder_client")]
     assert not [m for m in told if "chunk.action" in m], told
+
+
+def test_final_obs_with_the_keys_in_another_order(recorder):
+    """A dict's keys in another order are the same structure: paired by name."""
+    obs = {"a": np.full((T, N), 1, np.int8), "b": np.full((T, N, 2), 2.0, np.float32)}
+    final = {"b": np.full((T, N, 2), -2.0, np.float32), "a": np.full((T, N), -1, np.int8)}
+    done = np.zeros((T, N), bool)
+    done[-1] = True
+    assert recorder.record(_base(done=done, obs=obs, final_obs=final))
+    out = recorder.finish()
+    assert out.final_states["obs.a"].tolist() == [-1, -1]
+    assert out.final_states["obs.b"].tolist() == [[-2.0, -2.0]] * 2
