@@ -16,7 +16,7 @@ from ._credentials import PemSource, make_channel
 from ._proto import recorder_pb2_grpc as pb_grpc
 from .errors import RecorderUnavailableError, from_rpc_error, handshake_hint
 
-_MESSAGE_CAP = 256 << 20
+MESSAGE_CAP = 256 << 20
 DEFAULT_KEEPALIVE_S = 10.0
 
 
@@ -43,8 +43,8 @@ class Connection:
             client_certificate=client_certificate,
             client_key=client_key,
             options=[
-                ("grpc.max_receive_message_length", _MESSAGE_CAP),
-                ("grpc.max_send_message_length", _MESSAGE_CAP),
+                ("grpc.max_receive_message_length", MESSAGE_CAP),
+                ("grpc.max_send_message_length", MESSAGE_CAP),
                 # A server that stops answering without closing the connection (a partition,
                 # a blackhole) is noticed by pings: one every keepalive_seconds of a call,
                 # the transport dropped when one is not answered within keepalive_seconds

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import _label
 from ._messages import fill_array
 from ._proto import recorder_pb2 as pb
-from .errors import RecorderError
+from .errors import InvalidChunkError, RecorderError
 
 
 @dataclass
@@ -104,3 +105,37 @@ def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.Recor
             continue
         fill_array(named.array, _to_host(value), level, pack)
     return request
+
+
+def encode_request(
+    item: PendingChunk, level: int, pack: bool, max_bytes: int
+) -> InvalidChunkError | None:
+    """Set ``item.request`` (and ``wire_bytes``) to the chunk's request; or, when it cannot
+    be encoded or is bigger than ``max_bytes`` (the gRPC cap: a bigger message would end the
+    stream), to an empty chunk of its sequence, which the server refuses (the sequence stays
+    gapless), and return the error that says why."""
+    try:
+        request = encode_chunk(item, level, pack)
+    except Exception as exc:  # one bad array must not stall the chunks behind it
+        error = InvalidChunkError(f"chunk {item.sequence} could not be encoded: {exc}")
+    else:
+        size = request.ByteSize()
+        if size <= max_bytes:
+            item.request, item.wire_bytes = request, size
+            return None
+        chunk = request.chunk
+        sizes = [
+            (getattr(chunk, k).ByteSize(), k)
+            for k in ("action", "reward", "done", "outcome", "terminated", "truncated", "valid")
+        ]
+        sizes += [(a.ByteSize(), f"state:{a.name}") for a in chunk.states]
+        sizes += [(a.ByteSize(), f"final:{a.name}") for a in chunk.finals]
+        most, key = max(sizes)
+        error = InvalidChunkError(
+            f"chunk {item.sequence}: expected at most {max_bytes} bytes compressed (the gRPC "
+            f"message cap), got {size}, {most} of them {_label(key)}; record fewer steps a "
+            "chunk"
+        )
+    item.request = pb.RecordRequest(chunk=pb.Chunk(sequence=item.sequence))
+    item.wire_bytes = item.request.ByteSize()
+    return error

@@ -19,12 +19,11 @@ from typing import Any
 import grpc
 
 from ._loss import data_loss_error
-from ._pending import PendingChunk, SenderStats, StreamStats, encode_chunk
+from ._pending import PendingChunk, SenderStats, StreamStats, encode_request
 from ._poll import POLL_BACKOFF_S, POLL_GAP_S, POLL_LATE_S, POLL_QUIET_S, POLL_S, claim_poll
 from ._proto import recorder_pb2 as pb
 from ._wire import ERROR_KIND_KEY
 from .errors import (
-    InvalidChunkError,
     RecorderError,
     RecorderUnavailableError,
     from_rpc_error,
@@ -76,7 +75,7 @@ class ChunkSender:
         max_bytes_in_flight: int,
         compression_level: int,
         reconnect_timeout: float,
-        packed: Callable[[], bool] = lambda: False,
+        wire: Callable[[], tuple[bool, int]] = lambda: (False, 256 << 20),
         on_stored: Callable[[PendingChunk], None] = lambda item: None,
         on_refused: Callable[[PendingChunk], None] = lambda item: None,
         on_error: Callable[[RecorderError], None] | None = None,
@@ -106,8 +105,9 @@ class ChunkSender:
         self._target = target
         self._max_in_flight = max_bytes_in_flight
         self._level = compression_level
-        # Whether the server last joined takes packed codecs (JoinReply.packed_codecs).
-        self._packed = packed
+        # Whether the server last joined takes packed codecs (JoinReply.packed_codecs), and
+        # the largest request it (and this client) takes.
+        self._wire = wire
         self._reconnect_timeout = reconnect_timeout
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
@@ -366,18 +366,13 @@ class ChunkSender:
                 item = self._to_send.popleft()
                 self._unacked[item.sequence] = item
             if item.request is None:
-                try:
-                    item.request = encode_chunk(item, self._level, self._packed())
-                except Exception as exc:  # one bad array must not stall the chunks behind it
+                packed, cap = self._wire()
+                error = encode_request(item, self._level, packed, cap)
+                if error is not None:
                     with self._cond:
-                        self._report(
-                            InvalidChunkError(f"chunk {item.sequence} could not be encoded: {exc}")
-                        )
+                        self._report(error)
                     self._deliver()
-                    # An empty chunk keeps the sequence gapless; the server refuses it.
-                    item.request = pb.RecordRequest(chunk=pb.Chunk(sequence=item.sequence))
                 item.arrays = None  # the encoded copy is all a resend needs
-                item.wire_bytes = item.request.ByteSize()
             self.stats.chunks_sent += 1
             yield item.request
 

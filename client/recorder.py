@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _checks, _chunk, _wire
 from ._chunk import take as _take
-from ._connection import Connection
+from ._connection import MESSAGE_CAP, Connection
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
 from ._finish import checked, raises_on_loss
@@ -176,7 +176,7 @@ class RolloutRecorder:
                 max_bytes_in_flight=max_bytes_in_flight,
                 compression_level=compression_level,
                 reconnect_timeout=reconnect_timeout,
-                packed=lambda: self._joined.packed_codecs,
+                wire=self._wire_options,
                 on_stored=self._stored,
                 on_refused=self._refused,
                 on_error=on_error,
@@ -377,6 +377,11 @@ class RolloutRecorder:
             raw = lengths.pop() * step_bytes  # one T once checked
         self._shapes, self._shapes_raw = shapes, raw
         return raw, self._layout
+
+    def _wire_options(self) -> tuple[bool, int]:
+        # What the server last joined takes: packed codecs, and requests up to its gRPC cap.
+        cap = self._joined.max_message_bytes
+        return self._joined.packed_codecs, min(cap, MESSAGE_CAP) if cap else MESSAGE_CAP
 
     def _stored(self, item: PendingChunk) -> None:
         # The sender thread: the server stored a chunk of this layout.

@@ -323,7 +323,13 @@ async def _serve(
     )
     sessions, durability = lifecycle.sessions, lifecycle.durability
     ingest, control = pools
-    servicer = RecorderServicer(lifecycle, metrics, ingest=ingest, control=control)
+    servicer = RecorderServicer(
+        lifecycle,
+        metrics,
+        ingest=ingest,
+        control=control,
+        max_message_bytes=options.max_message_bytes,
+    )
     pb_grpc.add_RecorderServicer_to_server(servicer, server)
     health = await add_standard_services(server, [RECORDER_SERVICE_NAME])
     try:

@@ -288,3 +288,28 @@ def test_final_obs_with_the_keys_in_another_order(recorder):
     out = recorder.finish()
     assert out.final_states["obs.a"].tolist() == [-1, -1]
     assert out.final_states["obs.b"].tolist() == [[-2.0, -2.0]] * 2
+
+
+def test_a_chunk_over_the_servers_message_cap_is_refused_and_the_recorder_goes_on(tmp_path):
+    """A server that takes messages of at most 4 MiB: its gRPC layer would end the stream on
+    a bigger one (every later call of the recorder then failed). The client learns the cap
+    when it joins and refuses the chunk itself, naming its largest array; the next chunk is
+    stored."""
+    cap = 4 << 20
+    options = ServerOptions(
+        listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), max_message_bytes=cap
+    )
+    server = start_server(options)
+    try:
+        with RolloutRecorder(target=server.address, session="cap") as rec:
+            noise = np.random.default_rng(0).random((T, N, (5 << 20) // (T * N * 4)), np.float32)
+            assert rec.record(_base(done=_zeros(T, N), obs=noise))  # incompressible 5 MiB
+            with pytest.raises(InvalidChunkError) as info:
+                rec.flush(timeout=30)
+            message = str(info.value)
+            assert message.startswith(f"chunk 1: expected at most {cap} bytes compressed"), message
+            assert "of them trajectories.obs; record fewer steps a chunk" in message
+            _good_chunk_is_stored(rec)
+            assert rec.stats.reconnects == 0
+    finally:
+        server.stop(grace=0)

@@ -11,9 +11,9 @@ import zstandard
 
 from recorder_client import RolloutRecorder, _wire
 from recorder_client._credentials import make_channel
+from recorder_client._pending import PendingChunk, encode_chunk
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
-from recorder_client._stream import PendingChunk, encode_chunk
 from recorder_server.chunks import encoded_array
 from recorder_server.errors import RequestError
 

@@ -77,18 +77,20 @@ class JoinRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs", "loss")
+    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs", "loss", "max_message_bytes")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PACKED_CODECS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     last_sequence: int
     status: StatusReply
     packed_codecs: bool
     loss: LossReport
-    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ..., loss: _Optional[_Union[LossReport, _Mapping]] = ...) -> None: ...
+    max_message_bytes: int
+    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ..., loss: _Optional[_Union[LossReport, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class LossReport(_message.Message):
     __slots__ = ("cause", "detail", "first_sequence", "last_sequence")

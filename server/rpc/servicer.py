@@ -90,8 +90,17 @@ class _Stream:
 
 
 class RecorderServicer(pb_grpc.RecorderServicer):
-    def __init__(self, lifecycle: Lifecycle, metrics, *, ingest: Offload, control: Offload) -> None:
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        metrics,
+        *,
+        ingest: Offload,
+        control: Offload,
+        max_message_bytes: int = 0,
+    ) -> None:
         self.lifecycle = lifecycle
+        self.max_message_bytes = max_message_bytes  # the gRPC cap, told to joining clients
         self.sessions = sessions = lifecycle.sessions
         self.metrics = metrics
         self.durability: Durability | None = lifecycle.durability
@@ -128,6 +137,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             last_sequence=held,
             status=convert.session_status(session),
             packed_codecs=True,
+            max_message_bytes=self.max_message_bytes,
         )
         if acked > held:
             cause = session.identity.last_loss.pop(request.worker_id, None)
