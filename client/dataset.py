@@ -28,10 +28,12 @@ Files of one session need not have the same columns: ``final.<column>`` is in a 
 one of its episodes' chunks sent that final observation, and sidecars (or generations) of a
 session may record different fields. Each sidecar keeps ``_columns-NODE.json`` (one writer
 each, replaced whole like every file here), every column its files of the session hold, with
-its Arrow type, ``final.*`` included; it lists a new column before it commits the file that
-adds it, and starts the list from its older files' footers when there is none. `open_dataset`
-unifies these lists, one small read per node and session, and reads the footers of every
-file of a node without one (files of an older server or export): no column is left out.
+its Arrow type, ``final.*`` included, and every field spec (dtype, trailing shape) they
+record; it lists a new column or spec before it commits the file that adds it, and starts
+the list from its older files' footers when there is none. `open_dataset` unifies these
+lists, one small read per node and session, and reads the footers of every file of a node
+without one (files of an older server or export): no column is left out; `read_episodes`
+takes the union of the fields the same way.
 
 pyarrow and fsspec are imported on first use (``pip install 'rollout-recorder[dataset]'``;
 s3fs for ``s3://``). S3 settings come from the standard AWS environment variables, the
@@ -145,7 +147,6 @@ def open_dataset(
     schema holds every column of every file (a file without one reads null there).
 
     Raises FileNotFoundError when no episode file is there yet."""
-    _, pa, ds = _require()
     fs, root = filesystem(uri, storage_options)
     files = episode_files(fs, root)
     if session is not None:
@@ -155,21 +156,38 @@ def open_dataset(
             f"{uri}: no episode files (expected {PARTITION}=NAME/part-*.parquet, written by "
             "serve --dataset-uri or rollout-recorder export)"
         )
-    # Each node's columns file lists every column of its files: one small read per node
-    # and session instead of every file's footer. Without one (files of an older server, an
-    # older export, a file of another name), every one of those files' schemas is read.
+    schemas, _ = _described(fs, files, with_fields=False)
+    return _dataset(fs, root, files, schemas)
+
+
+def _described(fs: Any, files: list[str], *, with_fields: bool) -> tuple[list, list]:
+    """The Arrow schemas of ``files`` and (``with_fields``) the field specs they record, each
+    with ``file``, the path of a file recording it, in order of appearance."""
+    # Each node's columns file lists every column (and field) of its files: one small read
+    # per node and session instead of every file's footer. Without one (files of an older
+    # server, an older export, a file of another name), every one of those footers is read.
     groups: dict[tuple[str, str | None], list[str]] = {}
     for path in files:
         directory, name = path.rsplit("/", 1)
         match = FILE_NAME.fullmatch(name)
         groups.setdefault((directory, match["node"] if match else None), []).append(path)
-    schemas = []
+    schemas: list = []
+    fields: list = []
     for (directory, node), paths in groups.items():
-        recorded = None if node is None else _read_columns(fs, columns_path(directory, node))
-        if recorded is None:
-            schemas.extend(file_schema(fs, p) for p in paths)
-        else:
-            schemas.append(recorded)
+        listed = None if node is None else _columns_entry(fs, columns_path(directory, node))
+        if listed is not None and (listed[1] is not None or not with_fields):
+            schemas.append(listed[0])
+            fields.extend({**f, "file": f"{directory}/{f['file']}"} for f in listed[1] or [])
+            continue
+        for path in paths:
+            schema, specs = file_description(fs, path) if with_fields else (None, [])
+            schemas.append(file_schema(fs, path) if schema is None else schema)
+            fields.extend(specs)
+    return schemas, fields
+
+
+def _dataset(fs: Any, root: str, files: list[str], schemas: list) -> Any:
+    _, pa, ds = _require()
     partitioning = ds.partitioning(pa.schema([(PARTITION, pa.string())]), flavor="hive")
     return ds.dataset(
         files,
@@ -193,11 +211,25 @@ def file_schema(fs: Any, path: str) -> Any:
     return pq.read_schema(path, filesystem=fs).remove_metadata()
 
 
-def columns_document(session: str, node: str, schema: Any) -> dict[str, Any]:
+def file_description(fs: Any, path: str) -> tuple[Any, list[dict[str, Any]]]:
+    """An episode file's Arrow schema (no metadata) and the field specs its metadata
+    records, each with ``file`` (``path``), from one read of its footer."""
+    import pyarrow.parquet as pq
+
+    schema = pq.read_schema(path, filesystem=fs)
+    specs = [{**f, "file": path} for f in file_metadata(schema)["fields"]]
+    return schema.remove_metadata(), specs
+
+
+def columns_document(
+    session: str, node: str, schema: Any, fields: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The columns file's content: every column of ``node``'s files of ``session``, with its
-    Arrow type (``schema`` whole, as Arrow IPC in base64, for readers to unify)."""
+    Arrow type (``schema`` whole, as Arrow IPC in base64, for readers to unify), and every
+    field spec they record (``fields``: name, key, column, dtype, shape, and ``file``, the
+    name of a file recording it; a field recorded two ways is listed twice)."""
     schema = schema.remove_metadata()
-    return {
+    document = {
         "format": "rollout-recorder columns",
         "layout": LAYOUT_VERSION,
         "session": session,
@@ -205,15 +237,28 @@ def columns_document(session: str, node: str, schema: Any) -> dict[str, Any]:
         "columns": [{"name": f.name, "type": str(f.type)} for f in schema],
         "arrow_schema": base64.b64encode(schema.serialize().to_pybytes()).decode(),
     }
+    if fields is not None:
+        document["fields"] = fields
+    return document
 
 
 def columns_file(fs: Any, root: str, session: str, node: str) -> Any:
     """The Arrow schema ``node``'s columns file gives for ``session`` (every column of that
     node's files there); None without one that reads."""
-    return _read_columns(fs, columns_path(f"{root}/{PARTITION}={session}", node))
+    listed = columns_entry(fs, root, session, node)
+    return None if listed is None else listed[0]
 
 
-def _read_columns(fs: Any, path: str) -> Any:
+def columns_entry(fs: Any, root: str, session: str, node: str) -> tuple[Any, list | None] | None:
+    """``node``'s columns file of ``session``: the Arrow schema and the field specs it lists
+    (None for a file written before it listed them); None without one that reads."""
+    return _columns_entry(fs, columns_path(f"{root}/{PARTITION}={session}", node))
+
+
+_SPEC_KEYS = ("name", "key", "column", "dtype", "shape", "file")
+
+
+def _columns_entry(fs: Any, path: str) -> tuple[Any, list | None] | None:
     _, pa, _ = _require()
     try:
         document = json.loads(fs.cat_file(path))
@@ -222,9 +267,14 @@ def _read_columns(fs: Any, path: str) -> Any:
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(document["arrow_schema"])))
         if schema.names != [c["name"] for c in document["columns"]]:
             return None
+        fields = document.get("fields")
+        if fields is not None:
+            fields = [{k: f[k] for k in _SPEC_KEYS} for f in fields]
+            for f in fields:  # a list that does not read: every footer is read instead
+                f["dtype"], f["shape"] = np.dtype(f["dtype"]).str, [int(n) for n in f["shape"]]
     except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
         return None  # unreadable: the files' own schemas are read instead
-    return schema
+    return schema, fields
 
 
 def file_metadata(schema: Any) -> dict[str, Any]:
@@ -251,6 +301,13 @@ def read_episodes(
 ) -> Trajectory:
     """The finished episodes in a dataset, as the padded Trajectory finish() returns.
 
+    Its fields are every field any of the files read records (sidecars of a session, or one
+    node's generations, may record different state fields): an episode whose file lacks a
+    field reads zeros there, as `final_states` does. The fields come from each node's
+    columns file, or every file's footer where a node has none that lists them. A field
+    recorded with two dtypes or trailing shapes is a ValueError naming it, both and a file
+    of each (``nodes`` reads nodes apart).
+
     ``episode_terminated`` and ``episode_truncated`` come from the flags on each episode's
     last step (files written before those columns: terminated), ``final_states`` from the
     ``final.`` columns (zeros where null).
@@ -262,13 +319,15 @@ def read_episodes(
     Episodes come node by node, worker by worker (join order), environment by environment, in
     time order, and workers are numbered by the roster of each node's newest file (every
     worker the session held then, in join order): for one sidecar whose episodes are all
-    written this equals ``finish(pad_incomplete=False)``, ``worker_ids`` included. ``session`` may be omitted when the dataset holds one;
-    ``workers`` and ``nodes`` keep only those worker ids and node ids.
+    written this equals ``finish(pad_incomplete=False)``, ``worker_ids`` included.
+    ``session`` may be omitted when the dataset holds one; ``workers`` and ``nodes`` keep
+    only those worker ids and node ids (``nodes``: only those nodes' files are read).
     """
-    _, pa, ds = _require()
+    _, pa, _ = _require()
     import pyarrow.compute as pc
 
-    files = episode_files(*filesystem(uri, storage_options))
+    fs, root = filesystem(uri, storage_options)
+    files = episode_files(fs, root)
     if not files:
         open_dataset(uri, storage_options=storage_options)  # raises FileNotFoundError
     # From the file paths: a scan of the partition column would read every row.
@@ -280,14 +339,19 @@ def read_episodes(
         session = sessions[0]
     elif session not in sessions:
         raise KeyError(f"session: expected one of {sessions}, got {session!r}")
-    dataset = open_dataset(uri, storage_options=storage_options, session=session)
+    files = [p for p in files if f"/{PARTITION}={session}/" in f"/{p}"]
+    if nodes is not None:  # another node's files may record a field another way
+        named = [(p, FILE_NAME.fullmatch(p.rsplit("/", 1)[-1])) for p in files]
+        files = [p for p, m in named if m is None or m["node"] in {str(n) for n in nodes}]
+    rosters = _rosters(fs, files, session)
+    schemas, specs = _described(fs, files, with_fields=True)
+    fields = merged_fields(specs)
+    dataset = _dataset(fs, root, files, schemas)
     where = pc.field(PARTITION) == session
     if workers is not None:
         where &= pc.field("worker").isin([str(w) for w in workers])
     if nodes is not None:
         where &= pc.field("node").isin([str(n) for n in nodes])
-    rosters, meta = _rosters(dataset, session, nodes)
-    fields = meta["fields"]
     names = set(dataset.schema.names)
     # Files from before these columns lack them: their rows read as null.
     finals = [
@@ -357,7 +421,7 @@ def read_episodes(
     t_max = int(lengths.max())
     out: dict[str, np.ndarray] = {}
     for spec in fields:
-        values = _column(table[spec["column"]], np.dtype(spec["dtype"]), tuple(spec["shape"]))
+        values = _filled(table[spec["column"]].combine_chunks(), spec, pa)
         padded = np.zeros((num, t_max, *spec["shape"]), dtype=values.dtype)
         padded[rows, step] = values
         out[spec["name"]] = padded
@@ -382,32 +446,43 @@ def read_episodes(
     )
 
 
-def _rosters(
-    dataset: Any, session: str, nodes: list[str] | None
-) -> tuple[dict[str, list], dict[str, Any]]:
-    """Each node's worker roster from its newest file of ``session``, and that file's
-    metadata (the fields)."""
+def _rosters(fs: Any, files: list[str], session: str) -> dict[str, list]:
+    """Each node's worker roster, from its newest file of ``session`` among ``files``."""
     import pyarrow.parquet as pq
 
     newest: dict[str, tuple[int, int, str]] = {}
-    marker = f"/{PARTITION}={session}/"
-    for path in dataset.files:
+    for path in files:
         match = FILE_NAME.fullmatch(path.rsplit("/", 1)[-1])
-        if marker not in f"/{path}" or match is None:
-            continue
-        node = match["node"]
-        if nodes is not None and node not in nodes:
-            continue
-        order = (int(match["generation"]), int(match["seq"]), path)
-        newest[node] = max(newest.get(node, order), order)
+        if match is not None:
+            order = (int(match["generation"]), int(match["seq"]), path)
+            newest[match["node"]] = max(newest.get(match["node"], order), order)
     if not newest:
         raise ValueError(f"session {session!r}: no episode files of the selected nodes")
-    rosters: dict[str, list] = {}
-    meta: dict[str, Any] = {}
-    for node, (_g, _s, path) in newest.items():
-        meta = file_metadata(pq.read_schema(path, filesystem=dataset.filesystem))
-        rosters[node] = meta.get("workers", [])
-    return rosters, meta
+    return {
+        node: file_metadata(pq.read_schema(path, filesystem=fs)).get("workers", [])
+        for node, (_g, _s, path) in newest.items()
+    }
+
+
+def merged_fields(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One spec per field name, in order of appearance, from the specs of every file
+    (``file`` names one recording it). A field recorded with two dtypes or trailing shapes is
+    a ValueError naming it, both specs and a file of each: no one array holds both."""
+    merged: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        first = merged.setdefault(spec["name"], spec)
+        if _spec_text(first) != _spec_text(spec):
+            raise ValueError(
+                f"field {spec['name']!r}: recorded as {_spec_text(first)} (dtype, trailing "
+                f"shape) in {first['file']} and as {_spec_text(spec)} in {spec['file']}; one "
+                "Trajectory holds one of them: read those files apart (nodes=..., or "
+                "open_dataset and a filter)"
+            )
+    return list(merged.values())
+
+
+def _spec_text(spec: dict[str, Any]) -> str:
+    return f"{np.dtype(spec['dtype']).str}{tuple(int(n) for n in spec['shape'])}"
 
 
 def _steps(lengths: np.ndarray) -> np.ndarray:
@@ -427,12 +502,19 @@ def _column(column: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
 
 def _finals(column: Any, lasts: np.ndarray, spec: dict[str, Any], pa: Any) -> np.ndarray:
     """(B, *shape) final observations from their column's last-step rows (null: zeros)."""
+    return _filled(column.take(pa.array(lasts)).combine_chunks(), spec, pa)
+
+
+def _filled(array: Any, spec: dict[str, Any], pa: Any) -> np.ndarray:
+    """(rows, *shape) values of a field's column, zeros on its null rows (a file without the
+    field, a step without a final observation)."""
     dtype, shape = np.dtype(spec["dtype"]), tuple(spec["shape"])
-    picked = column.take(pa.array(lasts)).combine_chunks()
-    out = np.zeros((lasts.size, *shape), dtype=dtype)
-    valid = picked.is_valid().to_numpy(zero_copy_only=False)
+    if array.null_count == 0:
+        return _column(pa.chunked_array([array]), dtype, shape)
+    out = np.zeros((len(array), *shape), dtype=dtype)
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
     if valid.any():
-        out[valid] = _column(pa.chunked_array([picked.filter(pa.array(valid))]), dtype, shape)
+        out[valid] = _column(pa.chunked_array([array.filter(pa.array(valid))]), dtype, shape)
     return out
 
 

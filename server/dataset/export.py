@@ -127,9 +127,11 @@ def write_parquet(
             final_valid={f.column: ended[rows] for f in finals},
         )
         data = layout.parquet_bytes(layout.episode_table(episodes, fields, config, finals))
+        name = layout.file_name(node, 0, seq)
         if seq == 0:  # every file has the same columns: listed before the first lands
-            layout.write_columns(fs, root, session, node, layout.payload_schema(data))
-        layout.put_whole(fs, f"{directory}/{layout.file_name(node, 0, seq)}", data)
+            specs = layout.with_fields([], [f.to_dict() for f in fields], name)
+            layout.write_columns(fs, root, session, node, layout.payload_schema(data), specs)
+        layout.put_whole(fs, f"{directory}/{name}", data)
         written += len(data)
         if progress is not None:
             progress(hi, written)

@@ -506,10 +506,24 @@ def with_columns(known: Any, schema: Any) -> Any:
     return pa.schema([*known, *(f for f in schema if f.name not in known.names)])
 
 
-def write_columns(fs: Any, root: str, session: str, node: str, schema: Any) -> None:
+def with_fields(known: list[dict], specs: list[dict], file: str) -> list[dict]:
+    """``known`` (field specs, each with ``file``) with those of ``specs`` it lacks appended,
+    naming ``file`` (one recorded with another dtype or shape too: readers report both)."""
+
+    def spec(f: dict) -> tuple:
+        return f["name"], np.dtype(f["dtype"]).str, tuple(f["shape"])
+
+    seen = {spec(f) for f in known}
+    added = [{**f, "file": file} for f in specs if spec(f) not in seen]
+    return [*known, *added]
+
+
+def write_columns(
+    fs: Any, root: str, session: str, node: str, schema: Any, fields: list[dict] | None = None
+) -> None:
     """Write ``node``'s columns file of ``session`` whole (see `recorder_client.dataset`)."""
     path = layout.columns_path(session_dir(root, session), node)
-    put_whole(fs, path, _json(layout.columns_document(session, node, schema)))
+    put_whole(fs, path, _json(layout.columns_document(session, node, schema, fields)))
 
 
 def _json(value: Any) -> bytes:

@@ -377,7 +377,7 @@ class DatasetSink:
             out.discard()
             raise
         try:
-            self._record_columns(session.name, intent.node or self.node, payload)
+            self._record_columns(session.name, intent.node or self.node, payload, fields, name)
             size = layout.put_whole(self.fs, path, payload)
         finally:
             out.discard()  # a staged file not renamed into place goes
@@ -387,22 +387,30 @@ class DatasetSink:
         self.metrics.inc("Recorder/dataset_steps_written", steps, **labels)
         self.metrics.inc("Recorder/dataset_bytes_written", size, **labels)
 
-    def _record_columns(self, session: str, node: str, payload: Any) -> None:
-        """Before a file that adds a column is committed, the node's columns file lists it:
-        readers take a session's columns from there instead of every file's footer. Without
-        one yet, this node's files there (an older server's) are read once to start it."""
+    def _record_columns(
+        self, session: str, node: str, payload: Any, fields: list, name: str
+    ) -> None:
+        """Before a file that adds a column or a field spec is committed, the node's columns
+        file lists it: readers take a session's columns and fields from there instead of
+        every file's footer. Without one yet (or one that lists no fields), this node's files
+        there (an older server's) are read once to start it."""
         key = (session, node)
         known = self._columns.get(key)
         if known is None:
-            known = client_dataset.columns_file(self.fs, self.root, session, node)
-        absent = known is None
+            known = client_dataset.columns_entry(self.fs, self.root, session, node)
+        absent = known is None or known[1] is None
         if absent:
+            schema, specs = None if known is None else known[0], []
             for path in layout.node_files(self.fs, self.root, session, node):
-                known = layout.with_columns(known, client_dataset.file_schema(self.fs, path))
-        merged = layout.with_columns(known, layout.payload_schema(payload))
-        if absent or merged.names != known.names:
-            layout.write_columns(self.fs, self.root, session, node, merged)
-        self._columns[key] = merged
+                theirs, listed = client_dataset.file_description(self.fs, path)
+                schema = layout.with_columns(schema, theirs)
+                specs = layout.with_fields(specs, listed, path.rsplit("/", 1)[-1])
+            known = (schema, specs)
+        merged = layout.with_columns(known[0], layout.payload_schema(payload))
+        specs = layout.with_fields(known[1], [f.to_dict() for f in fields], name)
+        if absent or merged.names != known[0].names or len(specs) != len(known[1]):
+            layout.write_columns(self.fs, self.root, session, node, merged, specs)
+        self._columns[key] = (merged, specs)
 
     def _encoder(self) -> ThreadPoolExecutor:
         if self._encoding is None:
