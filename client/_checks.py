@@ -35,7 +35,7 @@ def _label(key: str) -> str:
         return f"trajectories.final_obs ({key[len('final:') :]})"
     if key.startswith("state:"):
         return key.replace("state:", "env_states.")
-    return f"trajectories.{key}" if key in _MASKS else key
+    return f"trajectories.{key}"
 
 
 def _fixed(key: str) -> bool:

@@ -45,9 +45,12 @@ def flatten(value: Any, prefix: str, label: str) -> list[tuple[str, Any]]:
             raise InvalidChunkError(f"{label}: expected at least one array, got an empty sequence")
         return out
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        # Nested lists of numbers are read item by item, as a Tuple observation would be.
+        in_sequence = label.endswith("]") and label[-2].isdigit()  # obs[0], not obs['a']
+        inside = " inside a list or tuple, whose items are observations" if in_sequence else ""
         raise InvalidChunkError(
             f"{label}: expected an array (T, N, ...) or a dict / tuple of them, "
-            f"got {type(value).__name__}"
+            f"got {type(value).__name__}{inside}"
         )
     return [(prefix, value)]
 

@@ -313,3 +313,28 @@ def test_a_chunk_over_the_servers_message_cap_is_refused_and_the_recorder_goes_o
             assert rec.stats.reconnects == 0
     finally:
         server.stop(grace=0)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "expected"),
+    [
+        (
+            lambda: _base(done=_zeros(T, N), obs=[[0.5] * N] * T),
+            "trajectories.obs[0][0]: expected an array (T, N, ...) or a dict / tuple of them, "
+            "got float inside a list or tuple, whose items are observations",
+        ),
+        (
+            lambda: _base(done=_zeros(T, N), obs={"a": 1}),
+            "trajectories.obs['a']: expected an array (T, N, ...) or a dict / tuple of them, "
+            "got int",
+        ),
+        (
+            lambda: _base(done=_zeros(T, N, dtype=object)),
+            "trajectories.done: expected a numeric or bool dtype, got '|O' (object)",
+        ),
+    ],
+)
+def test_messages_say_where_the_value_stands(recorder, chunk, expected):
+    with pytest.raises(InvalidChunkError) as info:
+        recorder.record(chunk())
+    assert str(info.value) == expected
