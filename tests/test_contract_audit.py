@@ -19,7 +19,8 @@ from recorder_client._messages import array_to_proto
 from recorder_client._proto import recorder_pb2 as pb
 from recorder_client._proto import recorder_pb2_grpc as pb_grpc
 from recorder_server import ServerOptions, start_server
-from recorder_server.durability import files
+from recorder_server.durability import files, snapshot
+from recorder_server.durability.checkpoint import decode_checkpoint, encode_checkpoint
 
 T, N = 4, 2
 
@@ -338,3 +339,36 @@ def test_messages_say_where_the_value_stands(recorder, chunk, expected):
     with pytest.raises(InvalidChunkError) as info:
         recorder.record(chunk())
     assert str(info.value) == expected
+
+
+def test_a_runtime_state_with_observation_names_a_chunk_may_not_carry(target):
+    """A runtime state is a client upload too: one whose observation fields are renamed
+    to a name a chunk may not carry (an empty key), consistently in its schema and its
+    chunks, is refused naming state.schema; the session keeps what it held."""
+    done = np.zeros((T, N), bool)
+    done[-1] = True
+    with RolloutRecorder(target=target, session="kept") as rec:
+        rec.record(_base(done=done, obs={"a": np.ones((T, N), np.float32)}))
+        state = rec.runtime_state()
+        meta, blobs = snapshot.unpack(decode_checkpoint(state))
+
+        def renamed(node):
+            if isinstance(node, dict):
+                return {
+                    ("state:obs..a" if k == "state:obs.a" else k): renamed(v)
+                    for k, v in node.items()
+                }
+            if isinstance(node, list):
+                return [renamed(v) for v in node]
+            return node
+
+        edited = renamed(meta)
+        assert "state:obs..a" in edited["schema"]
+        data = encode_checkpoint(snapshot.pack(edited, [bytes(b) for b in blobs]), compress=False)
+        with pytest.raises(InvalidChunkError) as info:
+            rec.load_runtime_state(data)
+        message = str(info.value)
+        assert "state.schema: expected observation fields named 'obs' or 'obs.<key>...'" in message
+        assert "got 'obs..a'" in message
+        out = rec.finish()
+    assert sorted(out.states) == ["obs.a"] and out.lengths.tolist() == [T, T]

@@ -288,6 +288,13 @@ def _schema(value: Any, config: SessionConfig, max_raw: int) -> Schema | None:
         if dtype.itemsize * math.prod(max(d, 1) for d in dims) > max_raw:
             raise SnapshotError(f"{what}.shape: expected at most {max_raw} bytes, got {dims}")
         schema[key] = (dtype, tuple(dims))
+    fields = [k[len(STATE) :] for k in schema if k.startswith(STATE)]
+    observed = [name for name in fields if is_obs_field(name)]
+    problem = _wire.obs_names_error(observed) if observed else None
+    if problem is None and len(fields) > _wire.MAX_STATE_FIELDS:
+        problem = f"expected at most {_wire.MAX_STATE_FIELDS} state fields, got {len(fields)}"
+    if problem is not None:  # what a received chunk may carry, no more
+        raise SnapshotError(f"state.schema: {problem}")
     return schema
 
 
