@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--source",
         action="append",
         metavar="NAME",
-        help="label of each input's store, once per input in order (default: the file names); "
+        help="label of each input's store, once per input in order (default: the paths as given); "
         f"'{_DEFAULT_LABEL}' keeps the default, and must be given for an input that is "
         "itself a merge (its labels are kept)",
     )
