@@ -223,6 +223,8 @@ def start_server(options: ServerOptions) -> RunningServer:
         )
         if options.dataset is not None:
             sessions.dataset = DatasetSink(options.dataset, sessions, metrics)
+        if hasattr(metrics, "before_scrape"):  # a tracker (NullMetrics has no scrape)
+            metrics.before_scrape.append(sessions.publish_levels)
         lifecycle = Lifecycle(sessions, durability)
         if options.http_listen:  # before gRPC: a port taken fails the start with nothing running
             host, _, port = options.http_listen.rpartition(":")

@@ -219,6 +219,23 @@ class Sessions:
         with self._lock:
             return list(self._sessions.values())
 
+    def publish_levels(self) -> None:
+        """Set the gauges measured rather than counted (each worker's lag, the held wire
+        bytes, the unverified chunks): before each Prometheus scrape and each `status`."""
+        now = time.monotonic()
+        for session in self.all():
+            lags = session.worker_lags(now)
+            held = session.status().wire_bytes
+            unverified = session.unverified_chunks()
+            if session.dropped:  # its series are forgotten: not brought back
+                continue
+            for worker_id, lag in lags.items():
+                self.metrics.set(
+                    "Recorder/worker_lag_seconds", lag, session=session.name, worker=worker_id
+                )
+            self.metrics.set("Recorder/held_wire_bytes", held, session=session.name)
+            self.metrics.set("Recorder/chunks_unverified", unverified, session=session.name)
+
     def restore(self, meta: dict[str, Any], blobs: list, *, limit: bool = False) -> Session:
         """Replace (or create) a session from a saved state, checked like live input.
         ``limit``: refuse a new session beyond max_sessions (recovery restores whatever

@@ -97,3 +97,145 @@ def test_the_site_builds_strictly(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "Queue one (T, N) chunk and return" in api  # record()'s docstring, rendered
+
+
+# Counters that only move on a fault (a refusal, a full disk, a lost or undecodable chunk, a
+# failed write): a healthy run never emits them, so they are left out of the run below.
+FAULT_COUNTERS = {
+    "rollout_recorder_chunks_dropped_full_total",
+    "rollout_recorder_chunks_rejected_total",
+    "rollout_recorder_chunks_corrupt_total",
+    "rollout_recorder_chunks_refused_no_space_total",
+    "rollout_recorder_sequences_lost_total",
+    "rollout_recorder_feed_errors_total",
+    "rollout_recorder_episodes_too_long_for_store_total",
+    "rollout_recorder_dataset_write_failures_total",
+}
+
+
+def documented_prometheus_names(text: str) -> list[str]:
+    """The Prometheus column of docs/metrics.md as patterns (`<name>` matches one name)."""
+    names = []
+    for row in re.findall(r"^\|[^|]*\| `([^`]+)` \|", text, re.M):
+        first, *suffixes = [part.strip() for part in row.split(",")]
+        names.append(first)
+        names.extend(first[: -len("_bucket")] + suffix for suffix in suffixes)
+    return names
+
+
+def scraped_names(exposition: str) -> set[str]:
+    return {line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line[:1] != "#"}
+
+
+def matches(name: str, pattern: str) -> bool:
+    return (
+        re.fullmatch(re.escape(pattern).replace(re.escape("<name>"), "[a-z0-9_]+"), name)
+        is not None
+    )
+
+
+def unmatched(names, patterns) -> list[str]:
+    """The names no pattern matches."""
+    return sorted(n for n in names if not any(matches(n, p) for p in patterns))
+
+
+def test_documented_names_parse_as_the_scrape_names():
+    """The two helpers below agree on a hand-made table and exposition (so that the server
+    test cannot pass by parsing nothing)."""
+    table = (
+        "| `A/x` | `rollout_recorder_x_total` | counter | session | X. |\n"
+        "| `A/outcome_<name>` | `rollout_recorder_outcome_<name>_total` | counter | session | Y. |\n"
+        "| `Episode/return` | `rollout_recorder_r_bucket, _sum, _count` | histogram | session | R. |\n"
+        "| `Episode/count` | - | episode summary | session | C. |\n"
+    )
+    patterns = documented_prometheus_names(table)
+    assert patterns == [
+        "rollout_recorder_x_total",
+        "rollout_recorder_outcome_<name>_total",
+        "rollout_recorder_r_bucket",
+        "rollout_recorder_r_sum",
+        "rollout_recorder_r_count",
+    ]
+    exposition = (
+        "# TYPE rollout_recorder_x_total counter\n"
+        'rollout_recorder_x_total{session="s"} 1.0\n'
+        'rollout_recorder_outcome_win_total{session="s"} 2.0\n'
+        'rollout_recorder_r_bucket{le="+Inf",session="s"} 3.0\n'
+        'rollout_recorder_y{session="s"} 3.0\n'
+    )
+    names = scraped_names(exposition)
+    assert unmatched(names, patterns) == ["rollout_recorder_y"]
+    assert [p for p in patterns if not any(matches(n, p) for n in names)] == [
+        "rollout_recorder_r_sum",
+        "rollout_recorder_r_count",
+    ]
+
+
+def test_every_documented_metric_is_what_a_running_server_exposes(tmp_path):
+    """docs/metrics.md against a real server's /metrics after a run with a store, utilities,
+    outcome codes and a dataset sink: every name exposed is documented, and every documented
+    name is exposed (fault counters aside)."""
+    pytest.importorskip("prometheus_client")
+    pytest.importorskip("pyarrow")
+    import time
+    import urllib.request
+
+    import numpy as np
+
+    from recorder_client import (
+        CellField,
+        RolloutRecorder,
+        TrajectoryTrainingConfiguration,
+        UtilityConfig,
+    )
+    from recorder_server import ServerOptions, start_server
+    from recorder_server.dataset.sink import DatasetOptions
+
+    patterns = documented_prometheus_names((ROOT / "docs" / "metrics.md").read_text())
+    assert len(patterns) > 40
+    running = start_server(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path / "data"),
+            metrics_listen="127.0.0.1:0",
+            dataset=DatasetOptions(uri=str(tmp_path / "dataset"), node_id="n", flush_seconds=0.2),
+        )
+    )
+    try:
+        config = TrajectoryTrainingConfiguration(
+            cell_fields=(CellField("player_positions", (0,), bucket=2, name="x"),),
+            utilities=(UtilityConfig("reach", gamma=0.9),),
+        )
+        rng = np.random.default_rng(0)
+        T, N = 16, 3
+        with RolloutRecorder(
+            record_states=True, capture=config, target=running.address, session="docs"
+        ) as rec:
+            for _ in range(4):
+                done = rng.random((T, N)) < 0.2
+                rec.record(
+                    {
+                        "action": rng.integers(0, 4, (T, N)),
+                        "reward": rng.random((T, N)),
+                        "done": done,
+                    },
+                    {"player_positions": rng.integers(0, 8, (T, N, 1))},
+                    outcome=np.where(done, 1, 0),
+                )
+            rec.flush()
+            rec.capture.sample_start()  # the store caught up, and handed out a start
+            deadline = time.monotonic() + 30
+            while True:  # the dataset sink writes within its flush interval
+                url = f"http://{running.metrics_address}/metrics"
+                names = scraped_names(urllib.request.urlopen(url, timeout=10).read().decode())
+                if "rollout_recorder_dataset_files_written_total" in names:
+                    break
+                assert time.monotonic() < deadline, "the dataset sink wrote no file in 30 s"
+                time.sleep(0.2)
+    finally:
+        running.stop(grace=0)
+    assert unmatched(names, patterns) == [], "exposed by the server, missing from docs/metrics.md"
+    never = [
+        p for p in patterns if p not in FAULT_COUNTERS and not any(matches(n, p) for n in names)
+    ]
+    assert never == [], "documented in docs/metrics.md, not exposed by a running server"

@@ -62,14 +62,23 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "Recorder/ack_latency_seconds", GAUGE, "Seconds the latest chunk took to be taken.", _SW
     ),
+    # The next three are measured at each Prometheus scrape and each `status` call.
     MetricSpec(
-        "Recorder/worker_lag_seconds", GAUGE, "Seconds since the worker last joined or sent.", _SW
+        "Recorder/worker_lag_seconds",
+        GAUGE,
+        "Seconds since the worker last joined or sent (measured when scraped or asked for).",
+        _SW,
     ),
-    MetricSpec("Recorder/held_wire_bytes", GAUGE, "Wire bytes of the chunks the session holds."),
+    MetricSpec(
+        "Recorder/held_wire_bytes",
+        GAUGE,
+        "Wire bytes of the chunks the session holds (measured when scraped or asked for).",
+    ),
     MetricSpec(
         "Recorder/chunks_unverified",
         GAUGE,
-        "Acknowledged chunks whose action and state frames are not yet proved to decode.",
+        "Acknowledged chunks whose action and state frames are not yet proved to decode "
+        "(measured when scraped or asked for).",
     ),
     # -- dataset sink (serve --dataset-uri)
     MetricSpec("Recorder/dataset_files_written", COUNTER, "Episode files written whole."),
@@ -198,6 +207,9 @@ def spec_of(tag: str) -> MetricSpec | None:
     return None
 
 
+_SLOT = "placeholderslot"
+
+
 def markdown(namespace: str = "rollout_recorder") -> str:
     """The metrics table (docs/metrics.md)."""
     lines = [
@@ -217,7 +229,10 @@ def markdown(namespace: str = "rollout_recorder") -> str:
         if spec.kind == EPISODES:
             prom = "-"
         else:
-            name = prometheus_name(spec.tag, counter=spec.kind == COUNTER, namespace=namespace)
+            # A placeholder stays one in the name: outcome_<name>_total, not outcome_name_total.
+            tag = spec.tag.replace("<name>", _SLOT)
+            name = prometheus_name(tag, counter=spec.kind == COUNTER, namespace=namespace)
+            name = name.replace(_SLOT, "<name>")
             if spec.kind == HISTOGRAM:
                 name += "_bucket, _sum, _count"
             prom = f"`{name}`"

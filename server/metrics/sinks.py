@@ -52,12 +52,18 @@ class PushSink(Protocol):
 
 
 class PrometheusCollector:
-    """A prometheus_client collector that renders the tracker's values at scrape time."""
+    """A prometheus_client collector that renders the tracker's values at scrape time, after
+    calling each of ``before`` (levels measured on demand, such as each worker's lag)."""
 
-    def __init__(self, rows: Callable[[], list[PromRow]]) -> None:
+    def __init__(
+        self, rows: Callable[[], list[PromRow]], before: Sequence[Callable[[], object]] = ()
+    ) -> None:
         self._rows = rows
+        self._before = before
 
     def collect(self) -> Iterable[object]:
+        for measure in self._before:
+            measure()
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,

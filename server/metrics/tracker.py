@@ -148,6 +148,8 @@ class MetricsTracker:
         # Made on first use (`registry`, `start_http`): prometheus_client is an optional
         # package that a server without a metrics endpoint never imports.
         self._registry: object | None = None
+        # Called before each Prometheus scrape: levels that are measured, not counted.
+        self.before_scrape: list[Callable[[], object]] = []
 
         self._push: tuple[GatedSink, ...] = open_push_sinks(self.config)
         self._timer: Periodic | None = None
@@ -171,7 +173,7 @@ class MetricsTracker:
             if self._registry is None:
                 prometheus = require("prometheus_client", "a Prometheus metrics endpoint")
                 registry = prometheus.CollectorRegistry(auto_describe=False)
-                registry.register(PrometheusCollector(self._prometheus_rows))
+                registry.register(PrometheusCollector(self._prometheus_rows, self.before_scrape))
                 self._registry = registry
             return self._registry
 

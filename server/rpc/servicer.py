@@ -320,17 +320,9 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     def _metrics(self) -> pb.MetricsReply:
         now = time.monotonic()
         replies = []
+        self.sessions.publish_levels()
         for session in self.sessions.all():
-            for worker_id, lag in session.worker_lags(now).items():
-                self.metrics.set(
-                    "Recorder/worker_lag_seconds", lag, session=session.name, worker=worker_id
-                )
-            status = session.status()
-            self.metrics.set("Recorder/held_wire_bytes", status.wire_bytes, session=session.name)
-            self.metrics.set(
-                "Recorder/chunks_unverified", session.unverified_chunks(), session=session.name
-            )
-            replies.append(convert.status_to_proto(status, session.config))
+            replies.append(convert.status_to_proto(session.status(), session.config))
         return pb.MetricsReply(
             values=self.metrics.snapshot(), sessions=replies, uptime_s=now - self._started
         )
