@@ -1,6 +1,6 @@
-"""The docs site's generated pages follow the code: the API page names every public name, the
-command-line page every command and flag. (`make docs` builds the whole site with --strict;
-`make test` runs it.)"""
+"""The docs follow the code: the API page names every public name, the command-line page every
+command and flag; every flag the pages name is a flag of its command; docs/metrics.md is what a
+running server exposes. (`make docs` builds the whole site with --strict; `make test` runs it.)"""
 
 from __future__ import annotations
 
@@ -239,3 +239,86 @@ def test_every_documented_metric_is_what_a_running_server_exposes(tmp_path):
         p for p in patterns if p not in FAULT_COUNTERS and not any(matches(n, p) for n in names)
     ]
     assert never == [], "documented in docs/metrics.md, not exposed by a running server"
+
+
+DOC_PAGES = ["README.md"] + [
+    f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "performance.md"
+]
+
+
+def command_lines(text: str) -> list[str]:
+    """What a reader would type or read as a command: the lines of shell blocks
+    (continuations joined) and inline code spans (which may wrap)."""
+    blocks = r"^```[a-z]*\n(.*?)^```"
+    lines = []
+    for block in re.findall(blocks, text, re.S | re.M):
+        lines += block.replace("\\\n", " ").splitlines()
+    prose = re.sub(blocks, "", text, flags=re.S | re.M)
+    return lines + [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
+
+
+def flags_by_command(line: str, commands: dict[tuple[str, ...], set[str]]):
+    """Each ``(command, flag)`` a line gives to a rollout-recorder command: after
+    ``rollout-recorder`` or ``python -m recorder_server`` and its subcommand words, or after
+    a bare command name followed by a flag (prose such as ``serve --dataset-uri``), up to a
+    comment, a pipe or another command."""
+    tokens = line.split()
+    command = None
+    for i, token in enumerate(tokens):
+        following = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if token in ("#", "|", "&&", ";"):
+            command = None
+        elif token == "rollout-recorder" or (token == "recorder_server" and tokens[i - 1] == "-m"):
+            command = ()
+        elif command is not None and (*command, token) in commands:
+            command = (*command, token)
+        elif command is None and (token,) in commands and following.startswith("--"):
+            command = (token,)
+        elif command is not None and re.match(r"--[a-z]", token):
+            yield command, re.match(r"--[a-z][a-z0-9-]*", token).group()
+
+
+def test_flags_in_the_docs_belong_to_their_command():
+    """Every ``--flag`` a page gives to a command (``rollout-recorder export --to``,
+    ``serve --dataset-uri``) is one of that command's flags."""
+    commands = {
+        tuple(name.split()[1:]): {f for a in parser._actions for f in a.option_strings}
+        for name, parser in every_command(build_parser())
+    }
+    checked = []
+    wrong = []
+    for page in DOC_PAGES:
+        for line in command_lines((ROOT / page).read_text()):
+            for command, flag in flags_by_command(line, commands):
+                checked.append(flag)
+                if flag not in commands[command]:
+                    wrong.append(
+                        f"{page}: `{line}`: rollout-recorder {' '.join(command)} has no {flag}"
+                    )
+    assert len(checked) > 20  # the pages' commands were found
+    assert wrong == []
+
+
+# Flags the pages give to other tools: docker compose, pytest, mkdocs.
+OTHER_TOOLS_FLAGS = {"--build", "--profile", "--env-file", "--dist", "--strict"}
+
+
+def test_every_flag_in_the_docs_is_a_flag_of_some_command():
+    """Prose names flags without their command (``--token-file``, ``--wal-fsync``): each is a
+    flag of some rollout-recorder command, or of one of the other tools named."""
+    known = {
+        flag
+        for _, parser in every_command(build_parser())
+        for action in parser._actions
+        for flag in action.option_strings
+    }
+    wrong = []
+    seen = 0
+    for page in DOC_PAGES:
+        for number, line in enumerate((ROOT / page).read_text().splitlines(), 1):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line):
+                seen += 1
+                if flag not in known | OTHER_TOOLS_FLAGS:
+                    wrong.append(f"{page}:{number}: {flag}")
+    assert seen > 100
+    assert wrong == []
