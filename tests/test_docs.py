@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -321,4 +322,51 @@ def test_every_flag_in_the_docs_is_a_flag_of_some_command():
                 if flag not in known | OTHER_TOOLS_FLAGS:
                     wrong.append(f"{page}:{number}: {flag}")
     assert seen > 100
+    assert wrong == []
+
+
+def documented_callables() -> dict[str, object]:
+    """The client's public callables by name: recorder_client's, the recorder's and its
+    capture's methods, and the Trajectory's."""
+    from recorder_client.capture import RemoteCapture
+
+    found = {n: getattr(recorder_client, n) for n in recorder_client.__all__}
+    for cls in (recorder_client.RolloutRecorder, RemoteCapture, recorder_client.Trajectory):
+        for name, member in vars(cls).items():
+            if not name.startswith("_") and callable(member):
+                found.setdefault(name, member)
+    return {n: c for n, c in found.items() if callable(c)}
+
+
+def wrong_keywords(text: str, callables: dict[str, object]) -> list[str]:
+    """``name(kw=...)`` calls in ``text`` whose keyword ``name`` does not take (calls on a
+    Gymnasium env, ``envs.reset(seed=0)``, are the env's)."""
+    wrong = []
+    for match in re.finditer(r"(?<![\w.])((?:\w+\.)*)(\w+)\(([^()]*)\)", text):
+        owner, name, args = match.groups()
+        if name not in callables or owner.startswith(("env.", "envs.", "gym.")):
+            continue
+        try:
+            params = inspect.signature(callables[name]).parameters
+        except (TypeError, ValueError):
+            continue
+        if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            continue
+        for keyword in re.findall(r"(?<![=\w.])([a-z_]\w*)=(?!=)", args):
+            if keyword not in params:
+                wrong.append(f"{match.group(0)}: {name}() takes no {keyword}=")
+    return wrong
+
+
+def test_keywords_in_the_docs_are_parameters():
+    """Every keyword a page passes to a client callable (``RolloutRecorder(record_obs=...)``,
+    ``finish(pad_incomplete=...)``, ``read_episodes(..., nodes=...)``) is one of its
+    parameters."""
+    callables = documented_callables()
+    assert wrong_keywords("finish(pad_incomplete=False) finish(padded=True)", callables) == [
+        "finish(padded=True): finish() takes no padded="
+    ]
+    wrong = []
+    for page in DOC_PAGES:
+        wrong += [f"{page}: {w}" for w in wrong_keywords((ROOT / page).read_text(), callables)]
     assert wrong == []
