@@ -121,7 +121,8 @@ ROWS: tuple[Row, ...] = (
         key="unary-call-during-restart",
         fault="`status()` and `list_sessions()` are called while the server restarts",
         guarantee=(
-            "They wait for it up to `connect_timeout` and answer; nothing acknowledged is lost"
+            "They wait for it up to `connect_timeout` (`timeout` for `list_sessions()`) and "
+            "answer; nothing acknowledged is lost"
         ),
         trainer="nothing",
         told="",
