@@ -370,3 +370,25 @@ def test_keywords_in_the_docs_are_parameters():
     for page in DOC_PAGES:
         wrong += [f"{page}: {w}" for w in wrong_keywords((ROOT / page).read_text(), callables)]
     assert wrong == []
+
+
+REPO_PATH = re.compile(
+    r"(?:client|server|tests|deploy|bench|examples|scripts|docs|proto)/[\w./-]*"
+    r"|[\w.-]+\.(?:yml|yaml|toml|py|example|env)|Makefile|Dockerfile"
+)
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path in backticks (``deploy/kubernetes/daemonset.yaml``, ``tests/test_core.py``) is in
+    the repository, or is one git ignores because tests or runs make it (``tests/artifacts/``)."""
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    seen, missing = 0, []
+    for page in DOC_PAGES:
+        for path in re.findall(r"`([^`\s]+)`", (ROOT / page).read_text()):
+            if not REPO_PATH.fullmatch(path):
+                continue
+            seen += 1
+            if not (ROOT / path).exists() and path not in ignored:
+                missing.append(f"{page}: {path}")
+    assert seen > 20
+    assert missing == []
