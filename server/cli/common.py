@@ -1,5 +1,5 @@
 """What every client command of the CLI shares: the token and TLS flags, and the credentials
-they make (`status`, `health`, `sessions`, `demo-worker`).
+they make (`status`, `health`, `sessions`, `export`, `demo-worker`).
 
 The token is, first to last: ``--token-file``, $ROLLOUT_RECORDER_TOKEN (the token itself),
 $ROLLOUT_RECORDER_TOKEN_FILE (a file holding it); none of them: no token. The TLS flags are
