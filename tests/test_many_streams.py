@@ -24,7 +24,7 @@ T, N = 4, 2
 
 WORKERS = textwrap.dedent(
     """
-    import sys, threading
+    import sys, threading, traceback
     import numpy as np
     from recorder_client import RolloutRecorder
 
@@ -48,8 +48,8 @@ WORKERS = textwrap.dedent(
             rec.record(chunk(first + i))
             rec.flush(120)
             recorders[i] = rec
-        except Exception as exc:
-            failures.append(repr(exc))
+        except Exception:
+            failures.append(traceback.format_exc(limit=-12))
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(count)]
     for t in threads:
