@@ -87,6 +87,15 @@ def written_files(uri: str) -> list[str]:
     return episode_files(*filesystem(uri))
 
 
+def served_middle_only_finals(tmp_path: Path, uri: str) -> dict[tuple, tuple]:
+    """record_middle_only_finals into a server of its own with a sink to ``uri``."""
+    server = start_server(sink_options(tmp_path, uri, flush=0.2))
+    try:
+        return record_middle_only_finals(uri, server.address)
+    finally:
+        server.stop(grace=0)
+
+
 def record_middle_only_finals(uri: str, address: str) -> dict[tuple, tuple]:
     """Worker 0 records obs only, worker 1 obs and final_obs: worker 0's episodes land in the
     session's first and last files, worker 1's in the one between. Returns the truth."""
@@ -140,11 +149,7 @@ def test_final_columns_of_a_middle_file_read_back(tmp_path: Path):
     sent, DuckDB over open_dataset counts them; the sink lists every column with its Arrow
     type in the node's columns file."""
     uri = str(tmp_path / "dataset")
-    server = start_server(sink_options(tmp_path, uri, flush=0.2))
-    try:
-        truth = record_middle_only_finals(uri, server.address)
-    finally:
-        server.stop(grace=0)
+    truth = served_middle_only_finals(tmp_path, uri)
     dataset = open_dataset(uri)
     assert "final.obs" in dataset.schema.names
     check_episodes(uri, truth)
@@ -169,11 +174,7 @@ def test_files_without_a_columns_file_read_every_footer(tmp_path: Path, damage: 
     or with a columns file that does not read, read back whole: the reader reads every
     file's schema then."""
     uri = str(tmp_path / "dataset")
-    server = start_server(sink_options(tmp_path, uri, flush=0.2))
-    try:
-        truth = record_middle_only_finals(uri, server.address)
-    finally:
-        server.stop(grace=0)
+    truth = served_middle_only_finals(tmp_path, uri)
     listed = Path(uri) / "session=run"
     (columns,) = [p for p in listed.iterdir() if p.name.startswith("_columns")]
     if damage == "removed":
@@ -238,11 +239,7 @@ def test_a_column_one_node_of_three_writes_reads_back(tmp_path: Path):
 
 def test_final_columns_of_a_middle_file_read_back_from_s3(tmp_path: Path, s3):
     uri = f"{s3.make_bucket(f'columns-{random.getrandbits(32):08x}')}/episodes"
-    server = start_server(sink_options(tmp_path, uri, flush=0.2))
-    try:
-        truth = record_middle_only_finals(uri, server.address)
-    finally:
-        server.stop(grace=0)
+    truth = served_middle_only_finals(tmp_path, uri)
     assert "final.obs" in open_dataset(uri).schema.names
     check_episodes(uri, truth)
     assert columns_file(*filesystem(uri), "run", "n1") is not None
