@@ -183,7 +183,7 @@ class RolloutRecorder:
                 raise_data_loss=self._raise_loss,
                 max_episodes=self.max_episodes,
                 status_call=lambda done: self._connection.call_async(
-                    "GetStatus", pb.StatusRequest(session=session), done
+                    "GetStatus", pb.StatusRequest(session=session, counters_only=True), done
                 ),
             )
             self._sender.take_counters(self._joined.status, self._sequence)

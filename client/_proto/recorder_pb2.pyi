@@ -303,10 +303,12 @@ class ResetReply(_message.Message):
     def __init__(self, status: _Optional[_Union[StatusReply, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "counters_only")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_ONLY_FIELD_NUMBER: _ClassVar[int]
     session: str
-    def __init__(self, session: _Optional[str] = ...) -> None: ...
+    counters_only: bool
+    def __init__(self, session: _Optional[str] = ..., counters_only: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "worker_index", "num_envs", "last_sequence", "chunks_stored", "chunks_dropped", "steps", "episodes_finished", "raw_bytes", "wire_bytes", "sequences_lost", "active", "idle_seconds", "joined_unix")

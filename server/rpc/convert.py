@@ -207,6 +207,19 @@ def ack(
     return reply
 
 
+def session_counters(session: Session) -> pb.StatusReply:
+    """The session's counters alone (a join's, and GetStatus with counters_only): no
+    per-worker list, so the reply costs the same however many workers the session holds."""
+    counters = session.counters
+    return pb.StatusReply(
+        session=session.name,
+        counters_version=counters.version,
+        is_full=counters.is_full,
+        num_recorded_steps=counters.num_recorded_steps,
+        episodes_finished=counters.episodes_finished,
+    )
+
+
 def session_status(session: Session) -> pb.StatusReply:
     """The session's status, with the version of counters no newer than it holds."""
     version = session.counters.version

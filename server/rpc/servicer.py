@@ -135,7 +135,7 @@ class RecorderServicer(pb_grpc.RecorderServicer):
         reply = pb.JoinReply(
             worker_index=session.workers[request.worker_id].index,
             last_sequence=held,
-            status=convert.session_status(session),
+            status=convert.session_counters(session),
             packed_codecs=True,
             max_message_bytes=self.max_message_bytes,
         )
@@ -310,12 +310,14 @@ class RecorderServicer(pb_grpc.RecorderServicer):
     async def Reset(self, request: pb.ResetRequest, context) -> pb.ResetReply:
         return await self._run(context, self._reset, request)
 
-    def _status(self, name: str) -> pb.StatusReply:
+    def _status(self, name: str, counters_only: bool) -> pb.StatusReply:
         session = self.sessions.get(name)
+        if counters_only:
+            return convert.session_counters(session)
         return convert.session_status(session)
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusReply:
-        return await self._run(context, self._status, request.session)
+        return await self._run(context, self._status, request.session, request.counters_only)
 
     def _metrics(self) -> pb.MetricsReply:
         now = time.monotonic()
