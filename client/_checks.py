@@ -67,7 +67,7 @@ def check_layout(
     """Every check of a chunk, against ``previous`` (the worker's layout, None before its
     first chunk); returns its bytes per step (every array has the same T once checked)
     and its layout."""
-    schema = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}
+    schema = {k: (tuple(v.shape), _torch.dtype_of(v)) for k, v in arrays.items()}
     a_shape = schema["action"][0]
     if len(a_shape) not in (2, 3):
         raise InvalidChunkError(
@@ -172,8 +172,8 @@ def check_flags(
     open episode has no step yet (``open_empty``: (N,) before this chunk, None when not
     known) and carries no flag. Returns ``open_empty`` after the chunk."""
     done = arrays["done"]
-    if isinstance(done, _torch.CpuTensor):  # its values are read here
-        done = arrays["done"] = np.asarray(done)
+    if _torch.is_tensor(done):  # its values are read here
+        done = arrays["done"] = _torch.host_view(done)
     masks = [arrays[k] for k in ("terminated", "truncated", "valid") if k in arrays]
     # Shapes and dtypes are check_layout's to refuse (called after this, before the chunk
     # fixes the worker's layout): their values are read only when they are right.

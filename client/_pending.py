@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _torch
 from ._checks import _label
 from ._messages import fill_array
 from ._proto import recorder_pb2 as pb
@@ -76,7 +77,9 @@ class SenderStats:
 
 
 def _to_host(value: Any) -> np.ndarray:
-    return value if isinstance(value, np.ndarray) else np.asarray(value)
+    if isinstance(value, np.ndarray):
+        return value
+    return _torch.host_view(value) if _torch.is_tensor(value) else np.asarray(value)
 
 
 def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.RecordRequest:

@@ -4,10 +4,11 @@ A tensor can only exist once its caller imported torch, so this module finds tor
 ``sys.modules`` and never imports it: the client's dependencies stay grpcio, protobuf, numpy
 and zstandard.
 
-- A CPU tensor is read in place by the sender thread: record() keeps the tensor and its
-  shape and dtype (properties, no call into torch), and the sender takes ``numpy()``, a
-  view of its memory (no copy unless a lazy conjugate or negative bit must be resolved).
-  Where record() reads values (flags, masks, outcome codes) the view is taken at once.
+- A CPU tensor is read in place by the sender thread: record() checks it through
+  properties only (no call into torch) and keeps the tensor itself, and the sender takes
+  ``numpy()``, a view of its memory (no copy unless a lazy conjugate or negative bit must
+  be resolved). Where record() reads values (flags, masks, outcome codes) the view is
+  taken at once.
 - A CUDA tensor gets an asynchronous device-to-host copy into pinned memory, and an event
   recorded on its stream after the copy; record() returns at once, and the sender thread
   waits on the event before it reads the bytes (the JAX path's ``copy_to_host_async``).
@@ -78,28 +79,20 @@ class HostCopy:
         return f"HostCopy(shape={self.shape}, dtype={self.dtype})"
 
 
-class CpuTensor:
-    """A CPU tensor held for the sender thread: shape, dtype and nbytes at once, the numpy
-    view of its memory when read (np.asarray). torch's methods release the GIL, and taking
-    it back on the training loop's thread is what record()'s p99 paid for."""
+def host_view(tensor: Any) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array: a view, detached from the autograd graph,
+    copied only where a lazy conjugate or negative bit must be resolved. torch's methods
+    release the GIL, so the sender thread calls this, not record()."""
+    return tensor.numpy(force=True)
 
-    __slots__ = ("_tensor", "dtype", "nbytes", "shape")
 
-    def __init__(self, tensor: Any, dtype: np.dtype) -> None:
-        self._tensor = tensor
-        self.shape = tuple(tensor.shape)
-        self.dtype = dtype
-        n = dtype.itemsize
-        for d in self.shape:
-            n *= d
-        self.nbytes = n
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        array = self._tensor.numpy(force=True)  # a view unless lazy bits need resolving
-        return array if dtype is None else array.astype(dtype)
-
-    def __repr__(self) -> str:
-        return f"CpuTensor(shape={self.shape}, dtype={self.dtype})"
+def dtype_of(value: Any) -> np.dtype:
+    """numpy's dtype of a host array or of a tensor that take() accepted."""
+    dtype = value.dtype
+    if isinstance(dtype, np.dtype):
+        return dtype
+    found = _NUMPY_DTYPES.get(dtype)
+    return found if found is not None else np.dtype(dtype)
 
 
 def start_host_copy(tensor: Any) -> HostCopy:
@@ -125,22 +118,23 @@ def _refuse(what: str, got: str) -> InvalidChunkError:
 
 
 def take(tensor: Any, what: str, defer: bool = True) -> Any:
-    """A CPU tensor as a CpuTensor (``defer``) or a numpy view; a CUDA one as a HostCopy
-    under way. InvalidChunkError naming ``what`` for a tensor numpy cannot hold or this
-    process cannot copy."""
+    """A CPU tensor as it is (``defer``: the sender reads it through host_view) or as a
+    numpy view; a CUDA one as a HostCopy under way. InvalidChunkError naming ``what`` for a
+    tensor numpy cannot hold or this process cannot copy."""
     torch = _torch()
     # Properties only on the common path, no method of the tensor's: those release the GIL,
     # and taking it back from the sender thread cost record() up to 5 ms (bench
-    # `latency_torch`: p99 from ~1.8 ms to tens of us).
+    # `latency_torch`: p99 from ~1.8 ms to tens of us). No wrapper object either: each
+    # object a queued chunk holds counts towards the garbage collector's next collection,
+    # and those collections landed in record() calls (the bench's p99).
     if tensor.layout is not torch.strided or tensor.is_nested:  # a nested one has no shape
         kind = "nested" if tensor.is_nested else tensor.layout
         raise _refuse(what, f"a {kind} tensor on {tensor.device}")
-    dtype = numpy_dtype(tensor.dtype)
-    if dtype is None:
+    if _NUMPY_DTYPES.get(tensor.dtype) is None and numpy_dtype(tensor.dtype) is None:
         raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")
     if tensor.is_cpu:
         if defer:
-            return CpuTensor(tensor, dtype)
+            return tensor
         if not tensor.requires_grad:
             try:
                 return tensor.numpy()

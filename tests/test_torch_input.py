@@ -104,8 +104,10 @@ def test_cpu_tensors_record_exactly_what_numpy_does(target):
 def test_cpu_tensor_is_read_in_place():
     tensor = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     held = torch_input.take(tensor, "trajectories.action")  # read later, by the sender
-    assert (held.shape, held.dtype, held.nbytes) == ((3, 4), np.dtype("int32"), 48)
-    assert np.shares_memory(np.asarray(held), tensor.numpy())
+    assert held is tensor and torch_input.dtype_of(held) == np.dtype("int32")
+    assert np.shares_memory(torch_input.host_view(held), tensor.numpy())
+    grad = torch.ones(3, requires_grad=True)  # the sender's view is detached from the graph
+    assert torch_input.host_view(torch_input.take(grad, "trajectories.reward")).tolist() == [1] * 3
     now = torch_input.take(tensor, "trajectories.action", defer=False)
     assert isinstance(now, np.ndarray) and np.shares_memory(now, tensor.numpy())
 
