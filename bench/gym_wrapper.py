@@ -53,19 +53,25 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     server = ctx.server("gym_record_rollouts")
     try:
         recorder = RolloutRecorder(target=server.address, session="gym-wrapper")
+        # The recorder RecordRollouts makes for itself: small chunks linger 50 ms and join.
+        lingering = RolloutRecorder(target=server.address, session="gym-linger", linger_ms=50)
         timed(RecordRollouts(make(), recorder))  # warm up: connection, first chunk's layout
+        timed(RecordRollouts(make(), lingering))
         arms = {
             "bare": make,
             "wrapped": lambda: RecordRollouts(make(), recorder),
             "wrapped_512": lambda: RecordRollouts(make(), recorder, chunk_steps=512),
+            "wrapped_linger": lambda: RecordRollouts(make(), lingering),
         }
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
         for r in range(rounds):
-            order = list(arms)[r % 3 :] + list(arms)[: r % 3]  # each arm first in turn
+            order = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]  # each first in turn
             for name in order:
                 runs[name].append(timed(arms[name]()))
         status = recorder.status()
+        linger_status = lingering.status()
         recorder.close()
+        lingering.close()
     finally:
         server.stop()
     bare, wrapped = runs["bare"], runs["wrapped"]
@@ -92,6 +98,15 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "cpu_ratio": ratio(runs["wrapped_512"], 1),
             "loop_thread_cpu_ratio": ratio(runs["wrapped_512"], 2),
         },
+        # The same wrapper with linger_ms=50 (what RecordRollouts(envs) makes for itself).
+        "linger": {
+            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_linger"]),
+            "ratio": ratio(runs["wrapped_linger"], 0),
+            "cpu_ratio": ratio(runs["wrapped_linger"], 1),
+            "loop_thread_cpu_ratio": ratio(runs["wrapped_linger"], 2),
+            "messages": linger_status.chunks_stored,
+            "recorded_steps": linger_status.num_recorded_steps,
+        },
         "recorded_steps": status.num_recorded_steps,
         "stepped": (2 * rounds + 1) * steps * NUM_ENVS,
         "gymnasium_version": gym.__version__,
@@ -106,6 +121,11 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
     for label, res, wrapped in (
         ("", r, r["wrapped_env_steps_s"]),
         (", chunk_steps=512", r["chunk_512"], r["chunk_512"]["env_steps_s"]),
+        *(
+            [(", linger_ms=50 (its own recorder's)", r["linger"], r["linger"]["env_steps_s"])]
+            if "linger" in r
+            else []
+        ),
     ):
         rows.append(
             Row(

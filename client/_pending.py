@@ -33,12 +33,48 @@ class PendingChunk:
     dones: int | None = None
     # Whether `dones` was known when the chunk was queued (it is in the running sum).
     dones_summed: bool = False
+    # Small chunks that come quickly join the one queued before them while it waits (see
+    # ChunkSender's linger): their layout (key, trailing shape, dtype per array, from
+    # record()'s check), whether later chunks may still join it, when it was queued, the
+    # arrays of those that joined, and whether this one joined another (no sequence then).
+    signature: Any = None
+    growable: bool = False
+    queued_at: float = 0.0
+    parts: list[dict[str, Any]] | None = None
+    merged: bool = False
+
+    def can_take(self, item: PendingChunk, cap: int) -> bool:
+        """Whether ``item`` may join this chunk: it still waits, has the same layout and the
+        same arrays, and the two stay within ``cap`` raw bytes."""
+        return (
+            self.growable
+            and self.arrays is not None
+            and item.signature is not None
+            and (item.signature is self.signature or item.signature == self.signature)
+            and self.raw_bytes + item.raw_bytes <= cap
+        )
+
+    def take(self, item: PendingChunk) -> None:
+        """Append ``item``'s steps: its arrays join along time when this chunk is encoded."""
+        if self.parts is None:
+            self.parts = []
+        self.parts.append(item.arrays or {})
+        self.raw_bytes += item.raw_bytes
+        self.length += item.length
+        item.merged = True
+
+    def joined_arrays(self) -> dict[str, Any] | None:
+        """The arrays of this chunk and of every chunk that joined it, joined along time."""
+        arrays, parts = self.arrays, self.parts
+        if arrays is None or not parts:
+            return arrays
+        every = [arrays, *parts]
+        return {k: np.concatenate([_to_host(a[k]) for a in every]) for k in arrays}
 
     def count_dones(self) -> int:
-        if self.dones is None:
-            arrays = self.arrays
-            if arrays is not None:
-                self.dones = int(np.count_nonzero(_to_host(arrays["done"])))
+        if self.dones is None and self.arrays is not None:
+            every = [self.arrays, *(self.parts or ())]
+            self.dones = sum(int(np.count_nonzero(_to_host(a["done"]))) for a in every)
         # Encoding counts them before it lets the arrays go.
         return self.dones if self.dones is not None else 0
 
@@ -61,6 +97,9 @@ class StreamStats:
     reconnects: int
     sequences_lost: int = 0
     """Acknowledged chunks the server later reported lost (see DataLossError)."""
+    chunks_joined: int = 0
+    """record() calls whose chunk joined the one queued before it (linger_ms): sent in that
+    chunk's message, under its sequence."""
 
 
 @dataclass
@@ -73,6 +112,7 @@ class SenderStats:
     wire_bytes: int = 0
     reconnects: int = 0
     sequences_lost: int = 0
+    chunks_joined: int = 0
     errors: list[RecorderError] = field(default_factory=list)
 
 
@@ -118,6 +158,7 @@ def encode_request(
     stream), to an empty chunk of its sequence, which the server refuses (the sequence stays
     gapless), and return the error that says why."""
     try:
+        item.arrays, item.parts = item.joined_arrays(), None
         request = encode_chunk(item, level, pack)
     except Exception as exc:  # one bad array must not stall the chunks behind it
         error = InvalidChunkError(f"chunk {item.sequence} could not be encoded: {exc}")

@@ -4,7 +4,8 @@ record() only enqueues. One sender thread owns the gRPC Record stream: grpc's
 request-iterator thread encodes each chunk (zstd) just before it goes out, and
 the sender thread reads acknowledgements. Every chunk stays in memory until its
 ack arrives, so a lost connection resends exactly what was not acknowledged;
-(worker, sequence) makes the resend idempotent on the server.
+(worker, sequence) makes the resend idempotent on the server. Small chunks that come
+quickly join the one still queued before them (linger), one message and one sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from ._counters import StreamCounters, counters_of
 from ._loss import data_loss_error
 from ._pending import PendingChunk, SenderStats, StreamStats, encode_request
 from ._poll import POLL_BACKOFF_S, POLL_GAP_S, POLL_LATE_S, POLL_QUIET_S, POLL_S, claim_poll
@@ -41,8 +43,8 @@ _RETRYABLE = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.CANCELLED,
 }
-# Seconds without an ack after which an idle worker's counters are asked for again.
-_STALE_S = 0.02
+# Raw bytes up to which small chunks join while they linger.
+_LINGER_CAP = 1 << 20
 # Refusal kinds a fresh join resolves (the worker expired, or the server restarted).
 _REJOIN_KINDS = {"not_joined"}
 
@@ -54,12 +56,7 @@ def _kind(err: grpc.RpcError) -> str:
     return ""
 
 
-def _counters_of(msg: Any) -> tuple[int, bool, int, int]:
-    """(version, is_full, num_recorded_steps, episodes_finished) of an ack or a status."""
-    return (msg.counters_version, msg.is_full, msg.num_recorded_steps, msg.episodes_finished)
-
-
-class ChunkSender:
+class ChunkSender(StreamCounters):
     """Owns the Record stream of one worker."""
 
     def __init__(
@@ -82,6 +79,7 @@ class ChunkSender:
         raise_data_loss: bool = True,
         max_episodes: int | None = None,
         status_call: Callable[[Callable[[Any], None]], None] | None = None,
+        linger_s: float = 0.0,
     ) -> None:
         self._connection = connection
         self._on_stored = on_stored
@@ -152,6 +150,15 @@ class ChunkSender:
         self._polling = False
         self._submitted = self._gap = 0.0
         self._busy_until = 0.0  # no polling before then: the caller's loop holds the GIL
+        # Linger: a small chunk that comes within linger_s of the one before waits up to
+        # linger_s for the next ones to join it, so that a loop recording small chunks
+        # quickly sends one message (and wakes these threads once) for several. Not with
+        # max_episodes: there the chunk that fills the session is kept whole, the next
+        # dropped. _holding: the sender waits for a chunk's linger to end; _hurry: flush()
+        # or a full in-flight cap wants everything sent now.
+        self._linger = 0.0 if max_episodes is not None else linger_s
+        self._holding = False
+        self._hurry = 0
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
@@ -161,129 +168,57 @@ class ChunkSender:
         return self._in_flight
 
     def submit(self, item: PendingChunk, *, block: bool) -> bool:
-        """Queue a chunk; False when it was dropped for lack of room (block=False)."""
+        """Queue a chunk; False when it was dropped for lack of room (block=False). A chunk
+        that joined the one queued before it comes back with ``merged`` set."""
         with self._cond:
             self._raise_fatal()
             while self._in_flight and self._in_flight + item.raw_bytes > self._max_in_flight:
                 if not block:
                     self.stats.chunks_dropped_in_flight += 1
                     return False
-                self._cond.wait(0.5)
+                self._hurry_up(1)
+                try:
+                    self._cond.wait(0.5)
+                finally:
+                    self._hurry -= 1
                 self._raise_fatal()
             self._in_flight += item.raw_bytes
-            self._to_send.append(item)
-            self._count_later(item)
             now = time.monotonic()
             self._gap, self._submitted = now - self._submitted, now
-            if self._sleeping:
+            tail = self._to_send[-1] if self._to_send else None
+            if tail is not None and tail.can_take(item, _LINGER_CAP):
+                tail.take(item)
+                self.stats.chunks_joined += 1
+                self._uncounted_steps += item.length
+                self._refresh_view()
+                return True
+            item.growable = self._gap < self._linger and item.raw_bytes < _LINGER_CAP
+            item.queued_at = now
+            self._to_send.append(item)
+            self._count_later(item)
+            if self._sleeping or (self._holding and tail is not None):
                 self._work.notify()
         return True
 
-    def _count_later(self, item: PendingChunk) -> None:
-        self._uncounted.append(item)
-        self._uncounted_steps += item.length
-        item.dones_summed = item.dones is not None
-        if item.dones_summed:
-            self._uncounted_dones += item.dones or 0
-        else:
-            self._uncounted_unknown += 1
-        self._refresh_view()
-
-    def _count_through(self, through: int) -> None:
-        """The server's counters now count this worker's chunks up to `through`."""
-        if through < self._counted:  # a restarted server lost chunks: recount the queue
-            self._counted = through
-            self._uncounted.clear()
-            self._uncounted_steps = self._uncounted_dones = self._uncounted_unknown = 0
-            for items in (self._unacked.values(), self._to_send):
-                for item in items:
-                    if item.sequence > through:
-                        self._count_later(item)
-            self._refresh_view()
-            return
-        self._counted = through
-        while self._uncounted and self._uncounted[0].sequence <= through:
-            item = self._uncounted.popleft()
-            self._uncounted_steps -= item.length
-            if item.dones_summed:
-                self._uncounted_dones -= item.dones or 0
-            else:
-                self._uncounted_unknown -= 1
-        self._refresh_view()
-
-    def counters(self) -> tuple[bool, int]:
-        """(is_full, num_recorded_steps) once the server takes this worker's chunks that
-        its last counters do not count yet, as it would with no other worker sending.
-
-        Other workers' chunks count as of the server's last answer. A worker with nothing in
-        flight hears no acks, so after _STALE_S of silence asking starts a status call in
-        the background, and a later ask has its answer."""
-        if (
-            not self._uncounted
-            and not self._refreshing
-            and time.monotonic() - self._heard > _STALE_S
-            and self._status_call is not None
-        ):
-            self._refresh()
-        view = self._view  # kept current by whoever changes what it depends on
-        if view is not None:
-            return view
-        with self._cond:  # near max_episodes, or done flags not counted yet: walk the queue
-            _, _, steps, episodes = self._counters
-            limit = self._max_episodes or 0
-            for item in self._uncounted:  # the chunk that fills the session is kept whole
-                if episodes >= limit:
-                    break
-                steps += item.length
-                episodes += item.count_dones()
-            return episodes >= limit, steps
-
-    def _refresh_view(self) -> None:
-        """The answer of counters() where it is a sum (with the lock held); None where the
-        queue must be walked. Read without the lock, so that asking never waits for the
-        sender threads."""
-        _, full, steps, episodes = self._counters
-        limit = self._max_episodes
-        if limit is None:
-            self._view = (full, steps + self._uncounted_steps)
-        elif episodes >= limit:
-            self._view = (True, steps)  # the session drops what follows
-        elif not self._uncounted_unknown and episodes + self._uncounted_dones < limit:
-            self._view = (False, steps + self._uncounted_steps)
-        else:
-            self._view = None
-
-    def _refresh(self) -> None:
-        self._refreshing = True
-        asked = time.monotonic()
-
-        def done(reply: pb.StatusReply | None) -> None:
-            with self._cond:
-                self._refreshing = False
-                self._heard = max(self._heard, asked)
-                # Newer counters only, and only while nothing of this worker's is in flight
-                # (the status does not say which of its chunks it counts).
-                if reply is None or self._uncounted:
-                    return
-                if reply.counters_version >= self._counters[0]:
-                    self._counters = _counters_of(reply)
-                    self._refresh_view()
-
-        assert self._status_call is not None
-        self._status_call(done)
-
-    def take_counters(self, status: pb.StatusReply, through: int) -> None:
-        """Counters from a status reply, counting this worker's chunks up to `through`."""
-        with self._cond:
-            self._heard = time.monotonic()
-            self._counters = _counters_of(status)
-            self._count_through(through)
+    def _hurry_up(self, by: int) -> None:
+        self._hurry += by
+        if self._holding:
+            self._work.notify()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait for every ack. While the server is out of space this raises its
         ResourceExhaustedError instead of waiting; the chunks stay queued and are
         retried in the background until the server takes them."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._hurry_up(1)
+        try:
+            self._wait_acked(deadline, timeout)
+        finally:
+            with self._cond:
+                self._hurry -= 1
+
+    def _wait_acked(self, deadline: float | None, timeout: float | None) -> None:
         with self._cond:
             while self._to_send or self._unacked:
                 self._raise_fatal()
@@ -314,6 +249,7 @@ class ChunkSender:
                 s.wire_bytes,
                 s.reconnects,
                 s.sequences_lost,
+                s.chunks_joined,
             )
 
     def take_errors(self) -> list[RecorderError]:
@@ -363,7 +299,10 @@ class ChunkSender:
                     self._work.wait()
                 if generation != self._generation or (self._closing and not self._to_send):
                     return
+                if self._hold():
+                    continue
                 item = self._to_send.popleft()
+                item.growable = False
                 self._unacked[item.sequence] = item
             if item.request is None:
                 packed, cap = self._wire()
@@ -375,6 +314,28 @@ class ChunkSender:
                 item.arrays = None  # the encoded copy is all a resend needs
             self.stats.chunks_sent += 1
             yield item.request
+
+    def _hold(self) -> bool:
+        """Wait (the lock held) while the only queued chunk lingers for others to join it;
+        True when it waited, and the queue must be looked at again."""
+        head = self._to_send[0]
+        wait = head.queued_at + self._linger - time.monotonic()
+        if (
+            not head.growable
+            or wait <= 0
+            or len(self._to_send) > 1
+            or self._hurry
+            or self._closing
+            or head.raw_bytes >= _LINGER_CAP
+        ):
+            return False
+        # record() does not wake a holding sender for a chunk that joins the held one.
+        self._holding, self._sleeping = True, False
+        try:
+            self._work.wait(wait)
+        finally:
+            self._holding = False
+        return True
 
     def _poll(self) -> bool:
         """Whether to look at the queue again in POLL_S rather than sleep until woken."""
@@ -436,7 +397,7 @@ class ChunkSender:
     def _on_ack(self, ack: pb.RecordAck) -> None:
         with self._cond:
             if ack.counters_version >= self._counters[0]:
-                self._counters = _counters_of(ack)
+                self._counters = counters_of(ack)
             # A chunk answered is counted, or never will be (dropped, refused, a resend).
             self._count_through(max(self._counted, ack.counted_through, ack.sequence))
             self._heard = time.monotonic()

@@ -153,7 +153,8 @@ WORKER = textwrap.dedent(
     from recorder_client import RolloutRecorder
     target, worker, stop_file, min_chunks = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     rec = RolloutRecorder(target=target, session="chaos", worker_id=f"w{{worker}}",
-                          connect_timeout=30, reconnect_timeout=60, max_bytes_in_flight=4 << 20)
+                          connect_timeout=30, reconnect_timeout=60, max_bytes_in_flight=4 << 20,
+                          linger_ms=50)  # chunks 20 ms apart join through the kills too
     print("joined", flush=True)
     sent = 0
     while sent < min_chunks or not os.path.exists(stop_file):
@@ -163,7 +164,8 @@ WORKER = textwrap.dedent(
     rec.flush(timeout=60)
     stats = rec.stats
     rec.close()
-    print(json.dumps({{"sent": sent, "reconnects": stats.reconnects}}), flush=True)
+    print(json.dumps({{"sent": sent, "joined": stats.chunks_joined,
+                      "reconnects": stats.reconnects}}), flush=True)
     """
 ).format(tests=str(TESTS))
 
@@ -205,22 +207,24 @@ def test_eight_workers_survive_five_kills_and_every_episode_is_there_once(tmp_pa
             print(f"kill {kill + 1} done")
         time.sleep(0.5)
         stop_file.touch()
-        sent, reconnects = {}, {}
+        sent, reconnects, messages = {}, {}, {}
         for w, p in enumerate(procs):
             assert p.wait(90) == 0, f"worker w{w} failed: {worker_logs()}"
             report = json.loads(p.stdout.read().strip().splitlines()[-1])
             sent[w], reconnects[w] = report["sent"], report["reconnects"]
+            # Chunks that joined the one before them went under its sequence (linger_ms).
+            messages[w] = sent[w] - report["joined"]
             # Each kill broke its stream; a reconnect storm would show here.
             assert 1 <= report["reconnects"] <= 10 * KILLS, (w, report)
         print(f"chunks sent per worker: {sent}; reconnects: {reconnects}")
         with RolloutRecorder(target=server.address, session="chaos", worker_id="viewer") as viewer:
             status = viewer.status()
             out = viewer.finish()
-        assert status.chunks_stored == sum(sent.values())
+        assert status.chunks_stored == sum(messages.values())
         for worker_status in status.workers:
             if worker_status.worker_id != "viewer":
                 w = int(worker_status.worker_id[1:])
-                assert worker_status.last_sequence == sent[w], worker_status
+                assert worker_status.last_sequence == messages[w], worker_status
         expected = [e for w in range(WORKERS) for e in expected_episodes(w, list(range(sent[w])))]
         assert_same_episodes(episodes_of(out), expected)
         assert "Traceback" not in server.log()
