@@ -53,7 +53,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     server = ctx.server("gym_record_rollouts")
     try:
         recorder = RolloutRecorder(target=server.address, session="gym-wrapper")
-        # The recorder RecordRollouts makes for itself: small chunks linger 50 ms and join.
+        # Small chunks linger 50 ms and join (linger_ms, off by default).
         lingering = RolloutRecorder(target=server.address, session="gym-linger", linger_ms=50)
         timed(RecordRollouts(make(), recorder))  # warm up: connection, first chunk's layout
         timed(RecordRollouts(make(), lingering))
@@ -98,7 +98,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "cpu_ratio": ratio(runs["wrapped_512"], 1),
             "loop_thread_cpu_ratio": ratio(runs["wrapped_512"], 2),
         },
-        # The same wrapper with linger_ms=50 (what RecordRollouts(envs) makes for itself).
+        # The same wrapper, its recorder made with linger_ms=50.
         "linger": {
             "env_steps_s": statistics.median(w[0] for w in runs["wrapped_linger"]),
             "ratio": ratio(runs["wrapped_linger"], 0),
@@ -122,7 +122,7 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
         ("", r, r["wrapped_env_steps_s"]),
         (", chunk_steps=512", r["chunk_512"], r["chunk_512"]["env_steps_s"]),
         *(
-            [(", linger_ms=50 (its own recorder's)", r["linger"], r["linger"]["env_steps_s"])]
+            [(", recorder with linger_ms=50", r["linger"], r["linger"]["env_steps_s"])]
             if "linger" in r
             else []
         ),

@@ -130,7 +130,7 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
     if tensor.layout is not torch.strided or tensor.is_nested:  # a nested one has no shape
         kind = "nested" if tensor.is_nested else tensor.layout
         raise _refuse(what, f"a {kind} tensor on {tensor.device}")
-    if _NUMPY_DTYPES.get(tensor.dtype) is None and numpy_dtype(tensor.dtype) is None:
+    if numpy_dtype(tensor.dtype) is None:
         raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")
     if tensor.is_cpu:
         if defer:

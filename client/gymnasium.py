@@ -334,8 +334,7 @@ def _final_obs(infos: Any) -> tuple[Any, Any]:
 
 def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple[Any, bool]:
     if recorder is None:
-        # A wrapper's chunks are small and come quickly: several go as one message.
-        return RolloutRecorder(**{"linger_ms": 50.0, **kwargs}), True
+        return RolloutRecorder(**kwargs), True
     if kwargs:
         raise TypeError(
             f"recorder_kwargs: expected none with a recorder given (they configure the "
@@ -347,9 +346,9 @@ def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple
 class RecordRollouts(gymnasium.vector.VectorWrapper):
     """Records every step of a Gymnasium vector environment (sync or async) into a recorder.
 
-    `recorder=None` makes `RolloutRecorder(linger_ms=50, **recorder_kwargs)` (with no
-    `target`, a private server) and closes it on `close()`; a recorder given is flushed on
-    `close()`, not closed, so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
+    `recorder=None` makes `RolloutRecorder(**recorder_kwargs)` (with no `target`, a private
+    server) and closes it on `close()`; a recorder given is flushed on `close()`, not closed,
+    so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
     sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
     next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation
     is recorded. A Box action of more than one dimension is recorded flattened, `(T, N, P)`.

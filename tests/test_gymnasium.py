@@ -387,7 +387,6 @@ def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address)
         target=address,
         session="owned",
         worker_id="w0",
-        linger_ms=0,  # each record() its own message, to count them
     )
     drive(envs, 1, actions)
     recorder = envs.recorder
