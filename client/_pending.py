@@ -41,6 +41,7 @@ class PendingChunk:
     growable: bool = False
     queued_at: float = 0.0
     parts: list[dict[str, Any]] | None = None
+    part_lengths: list[int] | None = None  # T of each call joined here, this one first
     merged: bool = False
 
     def can_take(self, item: PendingChunk, cap: int) -> bool:
@@ -57,8 +58,9 @@ class PendingChunk:
     def take(self, item: PendingChunk) -> None:
         """Append ``item``'s steps: its arrays join along time when this chunk is encoded."""
         if self.parts is None:
-            self.parts = []
+            self.parts, self.part_lengths = [], [self.length]
         self.parts.append(item.arrays or {})
+        self.part_lengths.append(item.length)
         self.raw_bytes += item.raw_bytes
         self.length += item.length
         item.merged = True
@@ -128,6 +130,8 @@ def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.Recor
     request = pb.RecordRequest()
     chunk = request.chunk  # filled in place: no message copied
     chunk.sequence = item.sequence
+    if item.part_lengths:  # the server hands the calls' episodes on call by call
+        chunk.part_lengths.extend(item.part_lengths)
     fill_array(chunk.action, _to_host(arrays["action"]), level, pack)
     fill_array(chunk.reward, _to_host(arrays["reward"]), level, pack)
     done = _to_host(arrays["done"])

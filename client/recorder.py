@@ -47,9 +47,9 @@ class RolloutRecorder:
 
     `linger_ms` (0: off): a chunk under 1 MiB recorded within `linger_ms` of the one before
     waits up to that long for the next ones, which join it along time into one message
-    (fewer wake-ups of the client's threads in a loop recording small chunks quickly).
-    finish() is the same; the server sees one chunk: docs/concepts.md says what that
-    changes. Never with `max_episodes`.
+    (fewer wake-ups of the client's threads in a loop recording small chunks quickly). The
+    server takes its episodes call by call as before; sequences, chunk counts and loss
+    reports count messages (docs/concepts.md). Never with `max_episodes`.
 
     `record_obs=False` leaves a `trajectories` struct's `obs` and `final_obs` unread:
     a struct that carries observations for other uses (purejaxrl's `Transition`) then

@@ -154,6 +154,27 @@ def check_size(
             )
 
 
+def check_parts(lengths: Sequence[int], arrays: Mapping[str, EncodedArray]) -> tuple[int, ...]:
+    """A joined chunk's part lengths (``chunk.part_lengths``): each >= 1, summing to its T;
+    () for a chunk of one call. RequestError INVALID naming what arrived."""
+    if not lengths:
+        return ()
+    action = arrays.get("action")
+    if action is None or not action.shape:
+        raise invalid("chunk.part_lengths: expected them only with chunk.action, got no action")
+    t = action.shape[0]
+    if len(lengths) > max(t, 1):  # counted before anything is built from them
+        raise invalid(f"chunk.part_lengths: expected at most T = {t} parts, got {len(lengths)}")
+    parts = tuple(int(n) for n in lengths)
+    if min(parts) < 1 or sum(parts) != t:
+        shown = list(parts[:8]) + (["..."] if len(parts) > 8 else [])
+        raise invalid(
+            f"chunk.part_lengths: expected lengths >= 1 summing to T = {t}, got {shown} "
+            f"(sum {sum(parts)})"
+        )
+    return parts if len(parts) > 1 else ()
+
+
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _DICT_ID_BYTES = (0, 1, 2, 4)
 _CONTENT_SIZE_BYTES = (0, 2, 4, 8)
@@ -221,6 +242,8 @@ class Chunk:
     arrays: dict[str, EncodedArray]
     refused: RequestError | None = None
     """Why its headers were refused on arrival (its sequence number is still taken)."""
+    parts: tuple[int, ...] = ()
+    """T of each record() call joined into it (a client's linger), or () for one call."""
 
     @property
     def wire_bytes(self) -> int:

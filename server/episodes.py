@@ -118,6 +118,7 @@ class WorkerTimeline:
         wire_bytes: int,
         outcome: EncodedArray | None = None,
         valid: np.ndarray | None = None,
+        parts: tuple[int, ...] = (),
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Store a validated chunk and split it at its done flags.
 
@@ -125,7 +126,9 @@ class WorkerTimeline:
         on the worker's time axis, and their partial flags (GAP_BEFORE where a gap
         hid the start). Rows ``valid`` marks False belong to no episode: they stand only
         where an env's open episode has no step yet (checked by `chunks.check_open_rows`),
-        so each start moves past them to the env's next valid row.
+        so each start moves past them to the env's next valid row. A chunk joined from
+        several calls (``parts``: their lengths) lists its episodes call by call, each env by
+        env, as those calls sent alone would.
         """
         length, n = dones.shape
         if self.num_envs is None:
@@ -158,6 +161,10 @@ class WorkerTimeline:
             if self.cuts:  # without a gap, no open start is unknown
                 open_partial[env[last]] = False
             np.add.at(self.finished_per_env, env, 1)
+            if parts:
+                call = np.searchsorted(np.cumsum(parts), end - t0, side="left")
+                order = np.lexsort((end, env, call))
+                env, start, end, partial = env[order], start[order], end[order], partial[order]
             self.table.env.append(env)
             self.table.start.append(start)
             self.table.end.append(end)

@@ -399,6 +399,7 @@ class Session(FrameProofs, StoreVerbs):
                     chunk.wire_bytes,
                     chunk.arrays.get("outcome"),
                     decoded.arrays.get("valid"),
+                    chunk.parts,
                 )
                 kept = timeline.chunks[-1]
                 kept.worker, kept.sequence = worker_id, seq  # named if a frame fails its proof
@@ -428,6 +429,7 @@ class Session(FrameProofs, StoreVerbs):
                         timeline.oldest_open(),
                         steps_before,
                         partial,
+                        chunk.parts,
                     )
                 )
             raw = sum(a.nbytes for a in stored.values())

@@ -186,7 +186,9 @@ def _chunk(sequence: int, **arrays) -> pb.Chunk:
     msg.done.CopyFrom(array_to_proto(done))
     arrays.setdefault("state:obs", np.ones((T, N)))  # the session's layout has it
     for name, value in arrays.items():
-        if name.startswith("state:"):
+        if name == "part_lengths":  # a chunk joined from several record() calls
+            msg.part_lengths.extend(value)
+        elif name.startswith("state:"):
             msg.states.append(pb.NamedArray(name=name[6:], array=array_to_proto(value)))
         elif name.startswith("final:"):
             msg.finals.append(pb.NamedArray(name=name[6:], array=array_to_proto(value)))
@@ -229,6 +231,18 @@ RAW_BAD = {
     "too_many_fields": (
         {f"state:obs.{i}": np.zeros((T, N), bool) for i in range(1024)},
         "chunk.states: expected at most 1024 state fields (observation fields included), got 1025",
+    ),
+    "parts_not_summing_to_t": (
+        {"part_lengths": [1, 2]},
+        f"chunk.part_lengths: expected lengths >= 1 summing to T = {T}, got [1, 2] (sum 3)",
+    ),
+    "empty_part": (
+        {"part_lengths": [T, 0]},
+        f"chunk.part_lengths: expected lengths >= 1 summing to T = {T}, got [{T}, 0]",
+    ),
+    "more_parts_than_steps": (
+        {"part_lengths": [1] * (T + 1)},
+        f"chunk.part_lengths: expected at most T = {T} parts, got {T + 1}",
     ),
     "state_not_allowed": (
         {"state:secret": np.zeros((T, N))},

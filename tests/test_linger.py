@@ -6,6 +6,7 @@ calls; message counts from the client's own stream stats (one ack a message).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -112,3 +113,95 @@ def test_only_chunks_of_one_layout_join(target):
 def test_linger_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"linger_ms: expected 0 to 10000, got -1"):
         RolloutRecorder(target="127.0.0.1:1", linger_ms=-1)
+
+
+def test_a_joined_message_reaches_store_and_dataset_call_by_call(tmp_path):
+    """Two sessions of one server take the same calls, one each alone and one joined: the
+    dataset holds the same episodes with the same store ids (the store took them in the
+    same order), and the store's archive is the same (the server splits a joined message back into its calls)."""
+    from test_dataset import chunk, wait_written
+    from test_dataset_store import CAPTURE
+
+    # Fine cells: later calls find new ones, whose first_seen_step is their call's.
+    capture = dataclasses.replace(
+        CAPTURE, cell_fields=tuple(dataclasses.replace(f, bucket=1) for f in CAPTURE.cell_fields)
+    )
+
+    from recorder_client.dataset import open_dataset
+    from recorder_server import ServerOptions, start_server
+    from recorder_server.dataset.sink import DatasetOptions
+
+    uri = str(tmp_path / "dataset")
+    server = start_server(
+        ServerOptions(
+            listen="127.0.0.1:0",
+            data_dir=str(tmp_path / "data"),
+            dataset=DatasetOptions(uri=uri, node_id="n1", flush_seconds=0.2),
+        )
+    )
+    calls = []
+    for i in range(16):
+        arrays, states = chunk(0, i)
+        arrays.pop("outcome")
+        arrays["action"] = arrays["action"] & 0xF
+        calls.append((arrays, states))
+    finished = int(sum(a["done"].sum() for a, _ in calls))
+    tables = {}
+    try:
+        for session, linger in (("alone", 0), ("joined", 500)):
+            with RolloutRecorder(
+                record_states=True,
+                capture=capture,
+                target=server.address,
+                session=session,
+                linger_ms=linger,
+            ) as rec:
+                for arrays, states in calls:
+                    rec.record(arrays, states)
+                rec.flush()
+                joined = rec.stats.chunks_joined
+                archive = rec.capture.archive()
+            assert (joined > 8) == (linger > 0), joined
+            wait_written(uri, session, finished)
+            table = open_dataset(uri, session=session).to_table(
+                columns=["env", "start", "store_trajectory", "step", "reward"]
+            )
+            order = [("env", "ascending"), ("start", "ascending"), ("step", "ascending")]
+            tables[session] = (table.sort_by(order), archive)
+    finally:
+        server.stop(grace=0)
+    (alone, cells_alone), (joined, cells_joined) = tables["alone"], tables["joined"]
+    # Store ids count episodes in the order the store took them.
+    for column in ("env", "start", "store_trajectory", "step", "reward"):
+        assert alone[column].to_pylist() == joined[column].to_pylist(), column
+    # The archive, first_seen_step (the env steps before each episode's call) included.
+    assert cells_alone.key_names == cells_joined.key_names
+    for name in cells_alone.key_names:
+        assert np.array_equal(cells_alone.cells[name], cells_joined.cells[name]), name
+    for name in ("visits", "first_seen_step", "best_return", "best_trajectory_id", "best_step"):
+        a, b = getattr(cells_alone, name), getattr(cells_joined, name)
+        assert np.array_equal(a, b), (name, a, b)
+
+
+def test_the_log_keeps_a_joined_chunks_parts():
+    """A joined chunk's part lengths go into its write-ahead log record, so that a replay
+    hands its episodes on call by call again."""
+    from recorder_client._messages import array_to_proto
+    from recorder_client._proto import recorder_pb2 as pb
+    from recorder_server.durability import records
+    from recorder_server.rpc.convert import chunk_from_proto
+    from recorder_server.sessions import ServiceLimits
+
+    msg = pb.Chunk(sequence=3, part_lengths=[2, 6])
+    msg.action.CopyFrom(array_to_proto(np.zeros((8, 3), np.int32)))
+    msg.reward.CopyFrom(array_to_proto(np.zeros((8, 3), np.float32)))
+    msg.done.CopyFrom(array_to_proto(np.zeros((8, 3), bool)))
+    chunk = chunk_from_proto(msg, ServiceLimits())
+    assert chunk.parts == (2, 6)
+    replayed = records.decode(b"".join(records.chunk("s", "w", chunk))).body
+    assert (replayed.sequence, replayed.parts) == (3, (2, 6))
+    msg.ClearField("part_lengths")
+    alone = records.decode(
+        b"".join(records.chunk("s", "w", chunk_from_proto(msg, ServiceLimits())))
+    )
+    assert alone.body.parts == ()

@@ -127,7 +127,7 @@ class RecordOpen(_message.Message):
     def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals")
+    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals", "part_lengths")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class Chunk(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     VALID_FIELD_NUMBER: _ClassVar[int]
     FINALS_FIELD_NUMBER: _ClassVar[int]
+    PART_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     action: ArrayData
     reward: ArrayData
@@ -148,7 +149,8 @@ class Chunk(_message.Message):
     truncated: ArrayData
     valid: ArrayData
     finals: _containers.RepeatedCompositeFieldContainer[NamedArray]
-    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ...) -> None: ...
+    part_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., part_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RecordRequest(_message.Message):
     __slots__ = ("open", "chunk")

@@ -117,7 +117,10 @@ def skip(session: str, worker: str, sequence: int, cut: bool) -> list:
 def chunk(session: str, worker: str, value: Chunk) -> list:
     return [
         _prefix(CHUNK, session, worker),
-        *_with_arrays({"sequence": value.sequence}, value.arrays),
+        *_with_arrays(
+            {"sequence": value.sequence, **({"parts": list(value.parts)} if value.parts else {})},
+            value.arrays,
+        ),
     ]
 
 
@@ -190,7 +193,7 @@ def decode(data: bytes | memoryview) -> Record:
         body = Skip(seq, cut)
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
-        body = Chunk(int(header["sequence"]), arrays)
+        body = Chunk(int(header["sequence"]), arrays, parts=tuple(header.get("parts", ())))
     elif kind == EPISODE:
         header, arrays = _read_arrays(payload)
         ref = header.get("start_reference")

@@ -78,6 +78,8 @@ class ChunkEpisodes:
     partial: np.ndarray | None = None
     """Per finished episode: its partial flags (non-zero: a sequence gap hid its start);
     such an episode reaches neither the store nor the metrics."""
+    parts: tuple[int, ...] = ()
+    """T of each record() call the chunk joins (`Chunk.parts`); () for one call."""
 
 
 @dataclass
@@ -104,6 +106,29 @@ class _Closed:
     whole: np.ndarray | None = None
     """Indexes of the chunk's episodes that `finished` and `part` hold (the others are
     partial: a gap hid their start, or they read corrupt frames); None: all."""
+    calls: np.ndarray | None = None
+    """For a chunk joined from several calls: each episode of `finished`'s call (ascending),
+    and the session's env steps before and after each call."""
+    call_before: np.ndarray | None = None
+    call_after: np.ndarray | None = None
+
+    def metric_batches(self) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """(returns, lengths, step) of the episodes each call finished, at its step."""
+        f = self.finished
+        if self.calls is None or self.call_after is None:
+            return [(f.returns, f.lengths, self.step_after)]
+        cuts = np.searchsorted(self.calls, np.arange(self.call_after.size + 1)).tolist()
+        return [
+            (f.returns[a:b], f.lengths[a:b], int(self.call_after[k]))
+            for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))
+            if b > a
+        ]
+
+    def store_steps(self) -> int | np.ndarray:
+        """The env steps before each kept episode's chunk (its call's, for a joined one)."""
+        if self.calls is None or self.call_before is None or self.part is None:
+            return self.item.env_steps_before
+        return self.call_before[self.calls[self.part.kept]]
 
 
 class EpisodeFeeder:
@@ -304,7 +329,7 @@ class EpisodeFeeder:
             finished = sum(c.finished.lengths.size for c in recorded)
             self.metrics.observe_feed(
                 {"Recorder/episodes_finished": float(finished)},
-                [(c.finished.returns, c.finished.lengths, c.step_after) for c in recorded],
+                [batch for c in recorded for batch in c.metric_batches()],
                 self.processor.metric_values(),
                 recorded[-1].step_after,
                 session=self.session,
@@ -385,6 +410,13 @@ class EpisodeFeeder:
                 finished.returns[whole], finished.lengths[whole], finished.outcomes[whole]
             )
             whole = np.flatnonzero(whole)
+        calls = call_before = call_after = None
+        if item.parts:  # a chunk joined from several calls: their episodes are call-major
+            ends = np.cumsum(np.asarray(item.parts, dtype=np.int64))
+            calls = np.searchsorted(ends, item.end - item.chunk.t0, side="left")
+            calls = calls if whole is None else calls[whole]
+            call_after = item.env_steps_before + ends * num_envs
+            call_before = call_after - np.asarray(item.parts, dtype=np.int64) * num_envs
         worker.oldest_open = item.oldest_open
         if self.buffers is not None:
             # Keyed into the window and held encoded: the decode buffers are free again.
@@ -392,7 +424,16 @@ class EpisodeFeeder:
             arrays.pop("outcome", None)
             self.buffers.give_all(arrays)
         step_after = item.env_steps_before + item.chunk.length * num_envs
-        return _Closed(item, finished, part, step_after, whole=whole)
+        return _Closed(
+            item,
+            finished,
+            part,
+            step_after,
+            whole=whole,
+            calls=calls,
+            call_before=call_before,
+            call_after=call_after,
+        )
 
     def _readable(
         self, worker: _Worker, item: ChunkEpisodes, whole: np.ndarray | None
@@ -461,7 +502,7 @@ class EpisodeFeeder:
         if len(parts) == 1:
             part = parts[0]
             rows, start, lengths, defer = part.rows, part.start, part.lengths, part.defer
-            steps: int | np.ndarray = closed[0].item.env_steps_before
+            steps: int | np.ndarray = closed[0].store_steps()
             codes = outcomes[0]
         else:
             rows = np.concatenate([p.rows for p in parts])
@@ -475,8 +516,11 @@ class EpisodeFeeder:
                 k = bisect.bisect_right(bounds, i) - 1
                 return defers[k](i - bounds[k])
 
-            steps = np.repeat(
-                np.array([c.item.env_steps_before for c in closed], dtype=np.int64), counts
+            steps = np.concatenate(
+                [
+                    np.broadcast_to(np.asarray(c.store_steps(), np.int64), (n,))
+                    for c, n in zip(closed, counts)
+                ]
             )
             codes = np.concatenate(outcomes)
         ring = self._ring

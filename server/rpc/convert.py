@@ -25,6 +25,7 @@ from ..chunks import (
     SessionConfig,
     SubmittedEpisode,
     array_label,
+    check_parts,
     check_size,
     encoded_array,
 )
@@ -151,7 +152,7 @@ def chunk_from_proto(msg: pb.Chunk, limits: ServiceLimits) -> Chunk:
             raise invalid(f"{what}: field sent twice")
         arrays[key] = array_from_proto(named.array, what, max_raw)
     check_size(arrays, "chunk", limits.max_chunk_bytes, limits.max_chunk_env_steps, time_axes=2)
-    return Chunk(msg.sequence, arrays)
+    return Chunk(msg.sequence, arrays, parts=check_parts(msg.part_lengths, arrays))
 
 
 def episode_from_proto(msg: pb.SubmitEpisodeRequest, limits: ServiceLimits) -> SubmittedEpisode:
