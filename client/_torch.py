@@ -30,6 +30,11 @@ _NUMPY_DTYPES: dict[Any, np.dtype | None] = {}
 
 _EXPECTED = "a dense CPU or CUDA tensor with a numpy dtype (bool, integer or floating)"
 
+# torch.Tensor and torch.strided once a tensor was taken (record()'s fast path before that
+# sees no tensor type and takes the full path, which sets them).
+_TENSOR: Any = None
+_STRIDED: Any = None
+
 
 def _torch() -> Any:
     return sys.modules.get("torch")
@@ -39,6 +44,19 @@ def is_tensor(value: Any) -> bool:
     """Whether ``value`` is a torch tensor (False at once when torch was never imported)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def kept_as_is(value: Any) -> bool:
+    """record()'s fast path: whether ``value`` is a plain torch.Tensor that take() would
+    keep as it is (dense, on the CPU, of a dtype numpy holds). Properties only: each
+    costs ~40 ns, where a call through take() cost the caller ~0.7 us a tensor."""
+    return (
+        type(value) is _TENSOR
+        and value.is_cpu
+        and value.layout is _STRIDED
+        and not value.is_nested
+        and _NUMPY_DTYPES.get(value.dtype) is not None
+    )
 
 
 def numpy_dtype(dtype: Any) -> np.dtype | None:
@@ -121,7 +139,9 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
     """A CPU tensor as it is (``defer``: the sender reads it through host_view) or as a
     numpy view; a CUDA one as a HostCopy under way. InvalidChunkError naming ``what`` for a
     tensor numpy cannot hold or this process cannot copy."""
+    global _TENSOR, _STRIDED
     torch = _torch()
+    _TENSOR, _STRIDED = torch.Tensor, torch.strided
     # Properties only on the common path, no method of the tensor's: those release the GIL,
     # and taking it back from the sender thread cost record() up to 5 ms (bench
     # `latency_torch`: p99 from ~1.8 ms to tens of us). No wrapper object either: each

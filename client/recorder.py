@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _chunk, _wire
+from ._torch import kept_as_is as _kept
 from ._chunk import take as _take
 from ._connection import MESSAGE_CAP, Connection
 from ._credentials import PemSource
@@ -306,7 +307,9 @@ class RolloutRecorder:
                     f"trajectories.{name}: expected an array (attribute or mapping key), got none"
                 )
             arrays[name] = (
-                value if type(value) is np.ndarray else _take(value, f"trajectories.{name}")
+                value
+                if type(value) is np.ndarray or _kept(value)
+                else _take(value, f"trajectories.{name}")
             )
         if outcome is None:
             outcome = get("outcome") if get else getattr(trajectories, "outcome", None)
@@ -318,7 +321,9 @@ class RolloutRecorder:
                 value = state_get(name) if state_get else getattr(env_states, name, None)
                 if value is not None:
                     arrays[key] = (
-                        value if type(value) is np.ndarray else _take(value, f"env_states.{name}")
+                        value
+                        if type(value) is np.ndarray or _kept(value)
+                        else _take(value, f"env_states.{name}")
                     )
         # The contract's flags, valid mask and observations (done from the flags' OR).
         done_given = "done" in arrays

@@ -162,6 +162,32 @@ def test_tensors_numpy_cannot_hold_are_refused_naming_the_field(target, make, fi
         assert rec.stats.chunks_sent == 0
 
 
+def test_after_tensor_chunks_a_bad_tensor_is_still_refused(target):
+    # Once plain CPU tensors went through, record() takes them on a fast path: what it does
+    # not keep must still get the full check, with the field named.
+    chunks = numpy_chunks(2)
+    bad = {
+        "bfloat16": torch.zeros((T, N), dtype=torch.bfloat16),
+        "sparse_coo": torch.zeros((T, N)).to_sparse(),
+        "nested": torch.nested.nested_tensor([torch.zeros(3), torch.zeros(4)]),
+        "meta": torch.zeros((T, N), device="meta"),
+    }
+    with RolloutRecorder(
+        record_states=True, state_fields=FIELDS, target=target, session="fast-bad"
+    ) as rec:
+        rec.record(*as_tensors(*chunks[0]))
+        for got, tensor in bad.items():
+            traj, states = as_tensors(*chunks[1])
+            with pytest.raises(InvalidChunkError) as info:
+                rec.record({**traj, "reward": tensor}, states)
+            message = str(info.value)
+            assert message.startswith("trajectories.reward: expected"), message
+            assert got in message, message
+        rec.record(*as_tensors(*chunks[1]))
+        rec.flush()
+        assert rec.stats.chunks_acked == 2
+
+
 def test_an_object_that_is_no_array_is_refused_naming_the_field(target):
     traj, states = numpy_chunks(1)[0]
     traj["reward"] = [[1.0, 2.0], [3.0]]  # ragged
