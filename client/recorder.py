@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _chunk, _wire
-from ._torch import kept_as_is as _kept
 from ._chunk import take as _take
 from ._connection import MESSAGE_CAP, Connection
 from ._credentials import PemSource
@@ -27,6 +26,7 @@ from ._launch import EmbeddedServer
 from ._messages import file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
+from ._torch import kept_as_is as _kept
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
 from .errors import InvalidChunkError, InvalidNameError, RecorderError, WorkerIdInUseError
