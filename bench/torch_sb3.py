@@ -57,13 +57,21 @@ def run_latency_torch(ctx: Context, rep: int = 0) -> dict[str, Any]:
         }
         sources = {"numpy_back_to_back": numpy_chunks, "torch_back_to_back": torch_chunks}
         lat: dict[str, list[int]] = {name: [] for name in recorders}
-        for i in range(calls + WARMUP_CALLS):
+        # Warm-up: both sessions joined and their first chunks acknowledged (as `latency`
+        # does), then WARMUP_CALLS more in turns, so that both senders are running. Without
+        # the second part the session started second paid its start in its first timed call
+        # (~21 us in every run, whichever kind of array it records).
+        warm = 2 * WARMUP_CALLS
+        for i in range(calls + warm):
+            if i == WARMUP_CALLS:
+                for rec in recorders.values():
+                    rec.flush()
             for name, rec in recorders.items():
                 traj, states = sources[name][i % len(pool)]
                 t0 = time.perf_counter_ns()
                 rec.record(traj, states)
                 t1 = time.perf_counter_ns()
-                if i >= WARMUP_CALLS:
+                if i >= warm:
                     lat[name].append(t1 - t0)
         for name, rec in recorders.items():
             rec.flush()
