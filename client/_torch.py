@@ -9,9 +9,12 @@ and zstandard.
   ``numpy()``, a view of its memory (no copy unless a lazy conjugate or negative bit must
   be resolved). Where record() reads values (flags, masks, outcome codes) the view is
   taken at once.
-- A CUDA tensor gets an asynchronous device-to-host copy into pinned memory, and an event
-  recorded on its stream after the copy; record() returns at once, and the sender thread
-  waits on the event before it reads the bytes (the JAX path's ``copy_to_host_async``).
+- A CUDA tensor gets an asynchronous device-to-host copy into pinned memory on its device's
+  current stream; record() records one event per device after its call's copies
+  (``fence_copies``) and returns at once, and the sender thread waits on the event before it
+  reads the bytes (the JAX path's ``copy_to_host_async``). Every call into CUDA costs the
+  caller's thread (10-25 us each on a virtualised GPU machine), hence one event a call,
+  not one a tensor.
 - A tensor on another accelerator (mps, xpu, ...) is copied to the host before record()
   returns.
 """
@@ -19,6 +22,7 @@ and zstandard.
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -81,7 +85,7 @@ class HostCopy:
 
     def __init__(self, host: Any, ready: Any, dtype: np.dtype) -> None:
         self._host = host  # the pinned host tensor the copy writes
-        self._ready = ready  # a CUDA event recorded after the copy, or None
+        self._ready = ready  # an event recorded after the copy (or _Unfenced), or None
         self.shape = tuple(host.shape)
         self.dtype = dtype
         self.nbytes = host.numel() * dtype.itemsize
@@ -95,6 +99,45 @@ class HostCopy:
 
     def __repr__(self) -> str:
         return f"HostCopy(shape={self.shape}, dtype={self.dtype})"
+
+
+class _Unfenced:
+    """Stands for the event of a copy that fence_copies() has not fenced yet: waiting on it
+    waits for the whole device (never reached by a chunk record() queued, which fences
+    first)."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def synchronize(self) -> None:
+        _torch().cuda.synchronize(self.device)
+
+
+class _Started(threading.local):
+    """The CUDA copies this thread's record() call started and has not fenced yet."""
+
+    copies: list[tuple[HostCopy, Any]] | None = None
+
+
+STARTED = _Started()
+
+
+def fence_copies() -> None:
+    """Record one event per device, on its current stream, after the CUDA copies this
+    thread started since the last call (record() calls this once its arrays are taken)."""
+    copies, STARTED.copies = STARTED.copies, None
+    if not copies:
+        return
+    torch = _torch()
+    events: dict[Any, Any] = {}
+    for copy, device in copies:
+        event = events.get(device)
+        if event is None:
+            event = events[device] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        copy._ready = event
 
 
 def host_view(tensor: Any) -> np.ndarray:
@@ -113,22 +156,36 @@ def dtype_of(value: Any) -> np.dtype:
     return found if found is not None else np.dtype(dtype)
 
 
-def start_host_copy(tensor: Any) -> HostCopy:
-    """Start copying ``tensor`` into fresh host memory: pinned, asynchronous and fenced by
-    an event for a CUDA tensor (the event is recorded on the stream the copy runs on); a
-    plain synchronous copy for any other device."""
+def start_host_copy(tensor: Any, fence: bool = True) -> HostCopy:
+    """Start copying ``tensor`` into fresh host memory: pinned and asynchronous on its
+    device's current stream for a CUDA tensor, fenced by an event at once (``fence``) or by
+    the next fence_copies() on this thread; a plain synchronous copy for any other device.
+    ``tensor`` has no lazy conjugate or negative bit (take() resolves them on the device)."""
     torch = _torch()
-    cuda = tensor.device.type == "cuda"
+    cuda = tensor.is_cuda
     host = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, pin_memory=cuda)
-    ready = None
-    if cuda:
-        with torch.cuda.device(tensor.device):
-            host.copy_(tensor, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(tensor.device))
-    else:
+    if not cuda:
         host.copy_(tensor)
-    return HostCopy(host, ready, numpy_dtype(tensor.dtype))
+        return HostCopy(host, None, numpy_dtype(tensor.dtype))
+    host.copy_(tensor, non_blocking=True)
+    copy = HostCopy(host, _Unfenced(tensor.device), numpy_dtype(tensor.dtype))
+    if fence:
+        STARTED.copies = [*(STARTED.copies or ()), (copy, tensor.device)]
+        fence_copies()
+    else:
+        if STARTED.copies is None:
+            STARTED.copies = []
+        STARTED.copies.append((copy, tensor.device))
+    return copy
+
+
+_CUDA: list[bool] = []  # torch.cuda.is_available(), asked once
+
+
+def _cuda_available(torch: Any) -> bool:
+    if not _CUDA:
+        _CUDA.append(bool(torch.cuda.is_available()))
+    return _CUDA[0]
 
 
 def _refuse(what: str, got: str) -> InvalidChunkError:
@@ -162,11 +219,13 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
                 pass
         # Detached from the graph, lazy bits resolved (a copy only for those).
         return tensor.numpy(force=True)
+    # On the device: a host copy_ from a lazy negative view negates the pinned memory on the
+    # CPU at once, before an asynchronous copy has landed (test_torch_cuda caught it).
     tensor = tensor.detach().resolve_conj().resolve_neg()
-    if tensor.is_cuda and not torch.cuda.is_available():
+    if tensor.is_cuda and not _cuda_available(torch):
         raise _refuse(what, f"a tensor on {tensor.device}, and CUDA is not available here")
     try:
-        return start_host_copy(tensor)
+        return start_host_copy(tensor, fence=not defer)
     except (RuntimeError, TypeError, NotImplementedError) as exc:
         got = f"a tensor on {tensor.device} that cannot be copied to the host ({exc})"
         raise _refuse(what, got) from None

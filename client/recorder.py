@@ -26,6 +26,8 @@ from ._launch import EmbeddedServer
 from ._messages import file_parts, join_parts, session_status
 from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
+from ._torch import STARTED as _started
+from ._torch import fence_copies as _fence_copies
 from ._torch import kept_as_is as _kept
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
@@ -332,6 +334,8 @@ class RolloutRecorder:
             open_empty = _checks.check_flags(arrays, self._open_empty, done_given)
         else:
             open_empty = None
+        if _started.copies:  # CUDA copies this call started: one event after them all
+            _fence_copies()
         raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1

@@ -3,9 +3,9 @@ grad, with a lazy negative bit) give back exactly the numpy chunks they were mad
 tensors numpy cannot hold are refused at record(), naming the field, what was expected and
 what arrived; the client imports torch only when the caller did.
 
-Not run here (no GPU on the test machine): a CUDA tensor's pinned asynchronous copy and its
-event. Its host side (start_host_copy on a CPU tensor, HostCopy waiting on its event before
-the first read) is run below.
+A CUDA tensor's pinned asynchronous copy and its event are in test_torch_cuda.py (run where a
+GPU is present); their host side (start_host_copy on a CPU tensor, HostCopy waiting on its
+event before the first read) is run below.
 """
 
 from __future__ import annotations
