@@ -27,6 +27,9 @@ as its final one: the episode was cut from outside the MDP, which is what `trunc
 (Minari's `DataCollector` does the same). Rows are sent one step late (when the next step
 begins), so that the last step can still be marked.
 
+A recorder takes one wrapper (or SB3 callback) at a time, and a new one refuses a recorder
+whose episodes an earlier one left under way: either would join episodes of different envs.
+
 Imports gymnasium (the `[gymnasium]` extra); `import recorder_client` does not.
 """
 
@@ -40,6 +43,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
+from ._producer import claim
+from ._wire import obs_names_error
 from .recorder import RolloutRecorder
 
 _LEAF_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
@@ -104,6 +109,22 @@ def _autoreset_mode(envs: VectorEnv) -> AutoresetMode:
         ) from None
 
 
+# How an observation a single env returned is cast to its space's dtype: as a vector env's
+# batching casts it (int64 into a uint8 Box is refused, not wrapped round).
+_CASTING = "same_kind"
+
+
+def _fitted(value: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """One env's observation leaf as an array of its space's shape, castable to ``dtype``
+    (TypeError or ValueError otherwise: numpy would broadcast or wrap it round)."""
+    value = np.asarray(value)
+    if value.shape != shape:
+        raise ValueError("shape")
+    if not np.can_cast(value.dtype, dtype, _CASTING):
+        raise TypeError("dtype")
+    return value
+
+
 class _Rows:
     """The chunk being filled: row `t` is step `t`; `obs` has one row more, the observation
     the next step starts from (row 0 of the next chunk)."""
@@ -131,6 +152,10 @@ class _Rows:
         self.where = where
         self.single = where == "env"  # RecordEpisodes: one env's observation, not a batch
         self.names = [".".join(["obs", *map(str, path)]) for path, _ in leaves]
+        problem = obs_names_error(self.names)  # record() would refuse the first chunk
+        if problem:
+            space = "observation_space" if where == "env" else "single_observation_space"
+            raise ValueError(f"{where}.{space}: {problem}")
         self.leaf_specs = [(space.shape, space.dtype) for _, space in leaves]
         self.getters = [_getter(path) for path, _ in leaves]
         self.plain = leaves[0][0] == ()  # one array, no Dict/Tuple around it
@@ -139,6 +164,7 @@ class _Rows:
         self.reset_cancels_autoreset = True
         self.started = False
         self.sent_steps = 0
+        self.open_after: np.ndarray | None = None  # envs the last sent row left mid-episode
         # NEXT_STEP: which environments' row 0 is an autoreset row, and resets that cancelled
         # a pending autoreset, as (row, mask): both decide `valid`.
         self.pending0 = np.zeros(num_envs, dtype=bool)
@@ -186,8 +212,8 @@ class _Rows:
                 return
             for get, buf, (shape, _) in zip(self.getters, self.obs, self.leaf_specs):
                 value = get(obs)
-                if self.single and np.shape(value) != shape:  # numpy would broadcast it
-                    raise ValueError("shape")
+                if self.single:  # no vector env batched it: shape and cast checked here
+                    value = _fitted(value, shape, buf.dtype)
                 if mask is None:
                     buf[row] = value
                 else:
@@ -200,12 +226,12 @@ class _Rows:
         batch = () if single or self.single else (self.n,)
         space = "env.observation_space" if self.single else "envs.single_observation_space"
         for name, get, (shape, dtype) in zip(self.names, self.getters, self.leaf_specs):
-            want = f"shape {(*batch, *shape)} castable to {dtype} ({space})"
+            want = f"shape {(*batch, *shape)} castable to {dtype} ({_CASTING}; {space})"
             try:
                 value = np.asarray(get(obs))
             except (KeyError, IndexError, TypeError, ValueError):
                 return f"{name}: expected {want}, got an observation without it: {obs!r:.200}"
-            if value.shape != (*batch, *shape) or not np.can_cast(value.dtype, dtype, "unsafe"):
+            if value.shape != (*batch, *shape) or not np.can_cast(value.dtype, dtype, _CASTING):
                 return f"{name}: expected {want}, got shape {value.shape} {value.dtype}"
             try:
                 value.astype(dtype)
@@ -222,10 +248,7 @@ class _Rows:
             obs = final_obs[i]  # one env's, unbatched: no vector env checked it
             try:
                 for get, buf, (shape, _) in zip(self.getters, finals, self.leaf_specs):
-                    value = get(obs)
-                    if np.shape(value) != shape:  # numpy would broadcast it
-                        raise ValueError("shape")
-                    buf[r, i] = value
+                    buf[r, i] = _fitted(get(obs), shape, buf.dtype)
             except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
                 where = f"infos['final_obs'][{i}]: "
                 raise ValueError(where + self._misfit(obs, exc, single=True)) from None
@@ -307,6 +330,9 @@ class _Rows:
                     pending &= ~mask
             chunk["valid"] = valid
             self.pending0, self.unpend = pending, []
+            self.open_after = valid[-1] & ~done[-1]
+        else:
+            self.open_after = ~done[-1]
         self.sent_steps += T
         # record() keeps references: the next chunk gets buffers of its own. They are in
         # place before it is called: an error it raises (a refusal of an earlier chunk, say)
@@ -374,6 +400,7 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
             "envs",
         )
         self.recorder, self._owned = _recorder(recorder, recorder_kwargs)
+        self._claim = claim(self.recorder, self, "RecordRollouts")
         rows.recorder = self.recorder
         # Gymnasium 1.x's AsyncVectorEnv without shared memory keeps a worker's pending
         # next-step autoreset across reset(): the step after it only resets again.
@@ -395,6 +422,8 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
 
     def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         rows = self._rows
+        if self._done:
+            raise RuntimeError(_CLOSED.format(what="RecordRollouts.step"))
         if not rows.started:
             raise RuntimeError(
                 "RecordRollouts.step: expected reset() through the wrapper first (the first "
@@ -414,15 +443,21 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
         if not self._done:
             self._done = True
             try:
-                _finish(self._rows, self.recorder, self._owned)
+                _finish(self._rows, self.recorder, self._owned, self._claim)
             finally:
                 self.env.close(**kwargs)
 
 
-def _finish(rows: _Rows, recorder: RolloutRecorder, owned: bool) -> None:
+_CLOSED = "{what}: expected an open wrapper, got a step after close() (it would not be recorded)"
+
+
+def _finish(rows: _Rows, recorder: RolloutRecorder, owned: bool, taken: Any) -> None:
     try:
         rows.send()
     finally:
+        if rows.open_after is not None:
+            taken.left(rows.open_after)
+        taken.closed = True
         if owned:
             recorder.close()
         else:
@@ -455,6 +490,7 @@ class RecordEpisodes(gymnasium.Wrapper):
             "env",
         )
         self.recorder, self._owned = _recorder(recorder, recorder_kwargs)
+        self._claim = claim(self.recorder, self, "RecordEpisodes")
         rows.recorder = self.recorder
         self._rows = rows
         self._done = False
@@ -467,6 +503,8 @@ class RecordEpisodes(gymnasium.Wrapper):
         return obs, info
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        if self._done:
+            raise RuntimeError(_CLOSED.format(what="RecordEpisodes.step"))
         if not self._rows.started:
             raise RuntimeError(
                 "RecordEpisodes.step: expected reset() through the wrapper first (the first "
@@ -482,7 +520,7 @@ class RecordEpisodes(gymnasium.Wrapper):
         if not self._done:
             self._done = True
             try:
-                _finish(self._rows, self.recorder, self._owned)
+                _finish(self._rows, self.recorder, self._owned, self._claim)
             finally:
                 self.env.close()
 

@@ -8,7 +8,8 @@ training VecEnv is a row of ``(T, N)`` arrays recorded per the producer contract
 
 - ``obs``: the observation the action was taken from (the algorithm's ``_last_obs``; a Dict
   observation gives ``obs.<key>``);
-- ``action``: what the VecEnv was given (on-policy: after clipping to a Box's bounds);
+- ``action``: what the VecEnv was given (on-policy: after clipping to a Box's bounds); a Box
+  of more than one dimension flattened, ``(T, N, P)``;
 - ``reward``: the VecEnv's reward, before the value bootstrap PPO adds to truncated steps;
 - ``terminated`` / ``truncated``: from ``dones`` and the ``TimeLimit.truncated`` info SB3's
   VecEnvs set (True when the time limit cut an episode that did not also terminate: a step
@@ -24,8 +25,10 @@ SB3 adds for image observations, channel-first images; under VecFrameStack, stac
 
 Steps are buffered ``chunk_steps`` at a time; the rest is recorded, and acknowledged, when
 training ends. Open episodes stay open across ``learn()`` calls that continue them
-(``reset_num_timesteps=False``); a ``learn()`` that resets the env while this callback holds
-open episodes raises, since their steps and the new episodes' would be joined.
+(``reset_num_timesteps=False``), with this callback or a new one on the same recorder; a
+``learn()`` that resets the env while the recorder holds open episodes raises, since their
+steps and the new episodes' would be joined. A recorder takes one callback or wrapper at a
+time.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ except ImportError as exc:  # the client alone does not need SB3
         f"recorder_client.sb3 needs stable-baselines3: pip install 'rollout-recorder[sb3]' ({exc})"
     ) from exc
 
+from ._producer import claim
 from .errors import RecorderError
 from .recorder import RolloutRecorder
 
@@ -108,6 +112,9 @@ class RecorderCallback(BaseCallback):
         self._last_dones: Any = None
 
     def _on_training_start(self) -> None:
+        # Another callback (or wrapper) that recorded into this recorder, and left episodes
+        # open, is refused here unless this learn() continues its env (claim's `resume`).
+        self._claim = claim(self.recorder, self, "RecorderCallback", resume=self.model._last_obs)
         if self._last_dones is None:
             return
         open_envs = ~np.asarray(self._last_dones, dtype=bool)
@@ -179,10 +186,17 @@ class RecorderCallback(BaseCallback):
         # record() keeps references: the next rows go to fresh buffers.
         self._buffers, self._row = None, 0
         if buffers is not None and steps:
-            self.recorder.record({name: _head(value, steps) for name, value in buffers.items()})
+            chunk = {name: _head(value, steps) for name, value in buffers.items()}
+            action = chunk["action"]
+            if action.ndim > 3:  # record() takes (T, N, P): a Box of more dimensions, flattened
+                chunk["action"] = action.reshape(steps, action.shape[1], -1)
+            self.recorder.record(chunk)
 
     def _on_training_end(self) -> None:
         self._record(self._row)
+        if self._last_dones is not None:
+            self._claim.left(~np.asarray(self._last_dones, dtype=bool), self._last_new_obs)
+        self._claim.closed = True
         self.recorder.flush()
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ gym = pytest.importorskip("gymnasium")
 from gymnasium import spaces  # noqa: E402
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv  # noqa: E402
 
-from recorder_client import RolloutRecorder  # noqa: E402
+from recorder_client import RecorderError, RolloutRecorder  # noqa: E402
 from recorder_client.gymnasium import RecordEpisodes, RecordRollouts  # noqa: E402
 
 NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
@@ -478,8 +478,8 @@ def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(a
     cases = [
         (
             lambda o: {**o, "pos": np.zeros(3, np.float32)},
-            r"obs\.pos: expected shape \(2,\) castable to float32 \(env\.observation_space\), "
-            r"got shape \(3,\) float32",
+            r"obs\.pos: expected shape \(2,\) castable to float32 \(same_kind; "
+            r"env\.observation_space\), got shape \(3,\) float32",
         ),
         (
             lambda o: {**o, "pos": np.float32(1)},
@@ -491,7 +491,11 @@ def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(a
         ),
         (
             lambda o: {**o, "inner": (*o["inner"][:2], {"count": "many"})},
-            r"obs\.inner\.2\.count: expected shape \(\) castable to int32 .* got array\('many'",
+            r"obs\.inner\.2\.count: expected shape \(\) castable to int32 .* got shape \(\) <U4",
+        ),
+        (  # numpy would wrap 300 round to 44 in a uint8 buffer; a vector env refuses it
+            lambda o: {**o, "grid": np.full((3, 3), 300, np.int64)},
+            r"obs\.grid: expected shape \(3, 3\) castable to uint8 .* got shape \(3, 3\) int64",
         ),
     ]
     with RolloutRecorder(target=address, session="misfit") as recorder:
@@ -500,6 +504,7 @@ def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(a
             env.reset(seed=0)
             with pytest.raises(ValueError, match=message):
                 env.step(np.zeros(2, np.float32))
+            env.close()  # nothing recorded: the next wrapper may take the recorder
 
 
 def test_a_same_step_final_observation_that_does_not_fit_is_refused(address):
@@ -507,21 +512,108 @@ def test_a_same_step_final_observation_that_does_not_fit_is_refused(address):
     vector env only batches the reset one): it is checked against the space too."""
 
     class BadFinal(MixedEnv):
+        bad = {"pos": np.zeros(3, np.float32)}
+
         def step(self, action):
             obs, reward, terminated, truncated, info = super().step(action)
             if terminated:
-                obs = {**obs, "pos": np.zeros(3, np.float32)}
+                obs = {**obs, **self.bad}
             return obs, reward, terminated, truncated, info
 
-    make = lambda: gym.wrappers.TimeLimit(BadFinal(), MAX_STEPS)  # noqa: E731
-    message = (
-        r"infos\['final_obs'\]\[\d\]: obs\.pos: expected shape \(2,\) castable to float32 "
-        r"\(envs\.single_observation_space\), got shape \(3,\) float32"
-    )
-    with RolloutRecorder(target=address, session="bad-final") as recorder:
-        envs = RecordRollouts(vector("sync", make, 2, SAME), recorder)
-        envs.reset(seed=0)
-        with pytest.raises(ValueError, match=message):
-            for _ in range(200):
-                envs.step(np.zeros((2, 2), np.float32))
-        envs.env.close()
+    class WrappingFinal(BadFinal):
+        bad = {"grid": np.full((3, 3), 256, np.int64)}  # 0 once wrapped round into uint8
+
+    cases = [
+        (
+            BadFinal,
+            r"infos\['final_obs'\]\[\d\]: obs\.pos: expected shape \(2,\) castable to "
+            r"float32 \(same_kind; envs\.single_observation_space\), got shape \(3,\) float32",
+        ),
+        (
+            WrappingFinal,
+            r"infos\['final_obs'\]\[\d\]: obs\.grid: expected shape \(3, 3\) castable to "
+            r"uint8 .* got shape \(3, 3\) int64",
+        ),
+    ]
+    for i, (env_class, message) in enumerate(cases):
+        make = lambda env_class=env_class: gym.wrappers.TimeLimit(env_class(), MAX_STEPS)  # noqa: E731
+        with RolloutRecorder(target=address, session=f"bad-final-{i}") as recorder:
+            envs = RecordRollouts(vector("sync", make, 2, SAME), recorder)
+            envs.reset(seed=0)
+            with pytest.raises(ValueError, match=message):
+                for _ in range(200):
+                    envs.step(np.zeros((2, 2), np.float32))
+            envs.env.close()
+
+
+class EndsEvery(gym.Env):
+    """Observes its step count; every episode terminates after `length` steps."""
+
+    observation_space = spaces.Box(0, 100, (1,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, self.t == self.length, False, {}
+
+
+def test_one_wrapper_at_a_time_and_none_continues_what_another_left_open(address):
+    """Wrappers number their envs from 0: two on one recorder at once, or a new one after a
+    closed one left episodes under way, would join episodes of different envs."""
+    make = lambda: EndsEvery(4)  # noqa: E731
+    with RolloutRecorder(target=address, session="one-producer") as recorder:
+        first = RecordRollouts(SyncVectorEnv([make] * 2), recorder, chunk_steps=3)
+        busy = r"expected a recorder that no other wrapper or callback records into .* got one "
+        with pytest.raises(ValueError, match=r"^RecordRollouts: recorder: " + busy):
+            RecordRollouts(SyncVectorEnv([make] * 2), recorder)
+        with pytest.raises(ValueError, match=r"^RecordEpisodes: recorder: " + busy):
+            RecordEpisodes(make(), recorder)
+        first.reset(seed=0)
+        for _ in range(4):  # every episode ends on the last step: none left open
+            first.step(np.zeros(2, np.int64))
+        first.close()
+        with pytest.raises(RuntimeError, match=r"^RecordRollouts.step: expected an open wrapper"):
+            first.step(np.zeros(2, np.int64))
+
+        second = RecordRollouts(SyncVectorEnv([make] * 2), recorder, chunk_steps=3)
+        second.reset(seed=1)
+        for _ in range(6):  # 4 steps, the next-step autoreset row, 1 step under way
+            second.step(np.ones(2, np.int64))
+        second.close()
+        with pytest.raises(
+            RecorderError,
+            match=r"^RecordEpisodes: recorder: expected no episodes left open by the "
+            r"RecordRollouts that recorded into it before .* got envs \[0, 1\]",
+        ):
+            RecordEpisodes(make(), recorder)
+        traj = recorder.finish()
+    # The truth from the env's rule: 4-step episodes, next-step autoreset rows left out.
+    assert sorted(traj.lengths.tolist()) == [1, 1, 4, 4, 4, 4]
+    assert int(traj.episode_done.sum()) == 4
+    for b in np.flatnonzero(traj.episode_done):
+        assert traj.states["obs"][b, :4, 0].tolist() == [0, 1, 2, 3]
+        assert traj.final_states["obs"][b].tolist() == [4]
+
+
+def test_an_observation_key_too_long_for_a_field_name_is_refused_at_once(address):
+    key = "k" * 130  # obs.<key> is over the recorder's 128 characters
+
+    class LongKey(gym.Env):
+        observation_space = spaces.Dict({key: spaces.Discrete(3)})
+        action_space = spaces.Discrete(2)
+
+    with RolloutRecorder(target=address, session="long-key") as recorder:
+        with pytest.raises(
+            ValueError, match=r"^env\.observation_space: expected observation fields .* at most 128"
+        ):
+            RecordEpisodes(LongKey(), recorder)
+        with pytest.raises(ValueError, match=r"^envs\.single_observation_space: expected"):
+            RecordRollouts(SyncVectorEnv([LongKey] * 2), recorder)

@@ -204,6 +204,63 @@ def test_a_learn_that_resets_open_episodes_is_refused(target):
             model.learn(32, callback=callback)  # reset_num_timesteps=True resets the env
 
 
+def test_a_new_callback_continues_open_episodes_only_where_learn_continues_the_env(target):
+    """A callback made for each learn(): the recorder remembers what the last one left open.
+    Continuing the env (reset_num_timesteps=False) continues its episodes exactly; a learn()
+    that resets the env is refused before its first step, as with one callback."""
+    envs, logs = logged_envs(2, PPO_STEPS)
+    with RolloutRecorder(target=target, session="new-callbacks") as recorder:
+        model = sb3.PPO("MlpPolicy", envs, n_steps=16, batch_size=32, n_epochs=1, seed=0)
+        model.learn(96, callback=RecorderCallback(recorder, chunk_steps=20))
+        model.learn(64, callback=RecorderCallback(recorder), reset_num_timesteps=False)
+        steps = sum(len(log) for log in logs)
+        with pytest.raises(
+            RecorderError,
+            match=r"^RecorderCallback: recorder: expected no episodes left open by the "
+            r"RecorderCallback that recorded into it before .* got envs \[0, 1\]",
+        ):
+            model.learn(32, callback=RecorderCallback(recorder))  # resets the env
+        assert sum(len(log) for log in logs) == steps  # refused before any step
+        traj = recorder.finish()
+    assert int(traj.lengths.sum()) == steps == 160
+    result = compare(traj, logs)
+    assert result["episodes"] >= 6 and result["tails"] == 2
+    assert result["mismatches"] == 0
+
+
+class SquareAction(gym.Env):
+    """A (2, 2) Box action, which SB3 supports; observes its last action, ends every 7 steps."""
+
+    observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+    action_space = gym.spaces.Box(-1, 1, (2, 2), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = np.clip(np.asarray(action, np.float32).reshape(4), -1, 1)
+        return obs, float(obs.sum()), self.t % 7 == 0, False, {}
+
+
+def test_a_box_action_of_two_dimensions_is_recorded_flattened(target):
+    logs: list[list] = [[], []]
+    envs = DummyVecEnv([lambda i=i: StepLog(SquareAction(), logs[i]) for i in range(2)])
+    with RolloutRecorder(target=target, session="square-action") as recorder:
+        model = sb3.PPO("MlpPolicy", envs, n_steps=16, batch_size=32, n_epochs=1, seed=0)
+        model.learn(64, callback=RecorderCallback(recorder, chunk_steps=10))
+        traj = recorder.finish()
+    assert traj.actions.shape[2:] == (4,)
+    for env, log in enumerate(logs):
+        ours = np.flatnonzero(traj.episode_env == env)
+        ours = ours[np.argsort(traj.episode_start[ours], kind="stable")]
+        got = np.concatenate([traj.actions[b, : int(traj.lengths[b])] for b in ours])
+        want = np.stack([step[1].reshape(4) for step in log])
+        assert got.tobytes() == want.astype(np.float32).tobytes()
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"^chunk_steps: expected a positive integer, got 0"):
         RecorderCallback(object(), chunk_steps=0)

@@ -258,7 +258,9 @@ def write_minari(
         truncations[-1] = truncated[b]
         return EpisodeBuffer(
             observations=obs,
-            actions=trajectory.actions[b, :n].astype(act_space.dtype, copy=False),
+            actions=_unflattened(act_space, trajectory.actions[b, :n]).astype(
+                act_space.dtype, copy=False
+            ),
             rewards=trajectory.rewards[b, :n],
             terminations=terminations,
             truncations=truncations,
@@ -403,8 +405,17 @@ def _action_space(given: SpaceArg, values: np.ndarray) -> Any:
         return spaces.derive_action(values)
     if isinstance(given, str):
         return spaces.from_spec(spaces.parse_spec(given, "action_space"), values, "action_space")
-    spaces.check(given, values, "action_space")
+    spaces.check(given, _unflattened(given, values), "action_space")
     return given
+
+
+def _unflattened(space: Any, values: np.ndarray) -> np.ndarray:
+    """Actions (steps, P) back in the shape of a space of more than one dimension, which
+    record() took flattened to P (the wrappers do that for a Box of shape (2, 2), say)."""
+    shape = tuple(getattr(space, "shape", None) or ())
+    if len(shape) > 1 and values.shape[1:] == (int(np.prod(shape)),):
+        return values.reshape(values.shape[0], *shape)
+    return values
 
 
 def _observation_space(
