@@ -199,35 +199,27 @@ def test_minari_export_takes_the_envs_own_box_action_of_two_dimensions(
     """RecordRollouts records a (2, 2) Box action flattened to (4,); the export given the
     env's own action space writes the actions back in its shape."""
     gym = pytest.importorskip("gymnasium")
+    from test_gymnasium import EndsEvery
+
     from recorder_client.gymnasium import RecordRollouts
 
-    class Square(gym.Env):
-        observation_space = spaces.Box(0, 10, (1,), np.float32)
-        action_space = spaces.Box(-1, 1, (2, 2), np.float32)
-
-        def reset(self, *, seed=None, options=None):
-            super().reset(seed=seed)
-            self.t = 0
-            return np.zeros(1, np.float32), {}
-
-        def step(self, action):
-            self.t += 1
-            return np.full(1, self.t, np.float32), 0.5, self.t == 3, False, {}
+    square = spaces.Box(-1, 1, (2, 2), np.float32)
+    make = lambda: EndsEvery(3, square)  # noqa: E731
 
     rng = np.random.default_rng(4)
     actions = rng.uniform(-1, 1, (8, 2, 2, 2)).astype(np.float32)  # steps, envs, (2, 2)
     with RolloutRecorder(target=target, session="square") as recorder:
-        envs = RecordRollouts(gym.vector.SyncVectorEnv([Square] * 2), recorder, chunk_steps=5)
+        envs = RecordRollouts(gym.vector.SyncVectorEnv([make] * 2), recorder, chunk_steps=5)
         envs.reset(seed=0)
         for a in actions:
             envs.step(a)
         envs.close()
         out = recorder.finish(pad_incomplete=False)
     assert out.actions.shape[2:] == (4,)
-    write_minari(out, tmp_path / "m", "square-v0", action_space=Square.action_space)
+    write_minari(out, tmp_path / "m", "square-v0", action_space=square)
     monkeypatch.setenv("MINARI_DATASETS_PATH", str(tmp_path / "m"))
     dataset = minari.load_dataset("square-v0")
-    assert dataset.action_space == Square.action_space
+    assert dataset.action_space == square
     # Next-step autoreset: steps 0-2 and 4-6 of each env are its two episodes.
     want = [actions[s : s + 3, e] for e in range(2) for s in (0, 4)]
     got = [episode.actions for episode in dataset.iterate_episodes()]

@@ -547,13 +547,14 @@ def test_a_same_step_final_observation_that_does_not_fit_is_refused(address):
 
 
 class EndsEvery(gym.Env):
-    """Observes its step count; every episode terminates after `length` steps."""
+    """Observes its step count; every episode terminates after `length` steps. Takes any
+    action of `action_space`."""
 
     observation_space = spaces.Box(0, 100, (1,), np.float32)
-    action_space = spaces.Discrete(2)
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: int, action_space: spaces.Space | None = None) -> None:
         self.length = length
+        self.action_space = action_space or spaces.Discrete(2)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)

@@ -25,6 +25,7 @@ from stable_baselines3.common.vec_env import (  # noqa: E402
     VecNormalize,
     VecTransposeImage,
 )
+from test_gymnasium import EndsEvery  # noqa: E402
 
 from recorder_client.sb3 import RecorderCallback  # noqa: E402
 
@@ -228,26 +229,10 @@ def test_a_new_callback_continues_open_episodes_only_where_learn_continues_the_e
     assert result["mismatches"] == 0
 
 
-class SquareAction(gym.Env):
-    """A (2, 2) Box action, which SB3 supports; observes its last action, ends every 7 steps."""
-
-    observation_space = gym.spaces.Box(-1, 1, (4,), np.float32)
-    action_space = gym.spaces.Box(-1, 1, (2, 2), np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return np.zeros(4, np.float32), {}
-
-    def step(self, action):
-        self.t += 1
-        obs = np.clip(np.asarray(action, np.float32).reshape(4), -1, 1)
-        return obs, float(obs.sum()), self.t % 7 == 0, False, {}
-
-
 def test_a_box_action_of_two_dimensions_is_recorded_flattened(target):
     logs: list[list] = [[], []]
-    envs = DummyVecEnv([lambda i=i: StepLog(SquareAction(), logs[i]) for i in range(2)])
+    square = gym.spaces.Box(-1, 1, (2, 2), np.float32)
+    envs = DummyVecEnv([lambda i=i: StepLog(EndsEvery(7, square), logs[i]) for i in range(2)])
     with RolloutRecorder(target=target, session="square-action") as recorder:
         model = sb3.PPO("MlpPolicy", envs, n_steps=16, batch_size=32, n_epochs=1, seed=0)
         model.learn(64, callback=RecorderCallback(recorder, chunk_steps=10))
