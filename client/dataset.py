@@ -157,7 +157,29 @@ def open_dataset(
             "serve --dataset-uri or rollout-recorder export)"
         )
     schemas, _ = _described(fs, files, with_fields=False)
-    return _dataset(fs, root, files, schemas)
+    try:
+        return _dataset(fs, root, files, schemas)
+    except (TypeError, ValueError):  # pyarrow: ArrowTypeError, ArrowInvalid
+        clash = _type_clash(schemas)
+        if clash is None:
+            raise
+        name, first, second = clash
+        raise ValueError(
+            f"{uri}: column {name!r}: expected one type in every episode file, got {first} "
+            f"and {second} (sessions may record a field two ways: open_dataset(..., "
+            f"session=NAME) reads one session's files)"
+        ) from None
+
+
+def _type_clash(schemas: list) -> tuple[str, Any, Any] | None:
+    """The first column two of ``schemas`` type differently: (name, one type, the other)."""
+    seen: dict[str, Any] = {}
+    for schema in schemas:
+        for field in schema:
+            known = seen.setdefault(field.name, field.type)
+            if known != field.type:
+                return field.name, known, field.type
+    return None
 
 
 def _described(fs: Any, files: list[str], *, with_fields: bool) -> tuple[list, list]:

@@ -246,3 +246,35 @@ def test_final_columns_of_a_middle_file_read_back_from_s3(tmp_path: Path, s3):
 
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_column_two_sessions_type_differently_is_named(tmp_path: Path):
+    """Two sessions record obs as float32 and as int32: open_dataset over both names the
+    column and both types; each session's files alone open, with its own type."""
+    uri = str(tmp_path / "dataset")
+    server = start_server(sink_options(tmp_path, uri, flush=0.2))
+    try:
+        for session, dtype in (("floats", np.float32), ("ints", np.int32)):
+            with RolloutRecorder(target=server.address, session=session) as rec:
+                done = np.zeros((T, N), dtype=bool)
+                done[-1] = True
+                rec.record(
+                    {
+                        "action": np.zeros((T, N), np.int64),
+                        "reward": np.ones((T, N), np.float32),
+                        "done": done,
+                        "obs": np.arange(T * N * 2).reshape(T, N, 2).astype(dtype),
+                    }
+                )
+                rec.flush()
+            assert wait_for(lambda s=session: any(f"={s}/" in f for f in written_files(uri)), 20)
+    finally:
+        server.stop(grace=0)
+    with pytest.raises(
+        ValueError, match=r"column 'obs': expected one type in every episode file, got .* and "
+    ) as info:
+        open_dataset(uri)
+    assert "float" in str(info.value) and "int32" in str(info.value)
+    for session, kind in (("floats", "float"), ("ints", "int32")):
+        dataset = open_dataset(uri, session=session)
+        assert kind in str(dataset.schema.field("obs").type)
