@@ -3,9 +3,12 @@
 CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
 the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a local
 server (at the default 128 steps a `record()`, and at 512), side by side: the three take
-turns in short rounds (each first in turn), so that all see the same background load. A wrapped round's clock runs until `close()` has flushed
-its last chunk to the server. The row is env steps per second (vector steps x 8), wrapped
-against bare; the target reads the median of the rounds' ratios.
+turns in short rounds (each first in turn), so that all see the same background load. A
+wrapped round's clock runs until `close()` has flushed its last chunk to the server; each
+wrapped round records into a recorder of its own, joined before its clock starts (a wrapper
+closed mid-episode leaves episodes open that another would continue). The row is env steps
+per second (vector steps x 8), wrapped against bare; the target reads the median of the
+rounds' ratios.
 
 gymnasium comes with the dev extra (the tests run it); without it the scenario is skipped.
 """
@@ -52,27 +55,41 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
 
     server = ctx.server("gym_record_rollouts")
     try:
-        recorder = RolloutRecorder(target=server.address, session="gym-wrapper")
-        # Small chunks linger 50 ms and join (linger_ms, off by default).
-        lingering = RolloutRecorder(target=server.address, session="gym-linger", linger_ms=50)
-        timed(RecordRollouts(make(), recorder))  # warm up: connection, first chunk's layout
-        timed(RecordRollouts(make(), lingering))
+        # A wrapper closed mid-episode leaves its episodes open, so each wrapped round records
+        # into a recorder of its own (another worker), joined before the clock starts.
+        made: list[Any] = []
+
+        def wrapped(session: str, chunk_steps: int = 128, **kwargs: Any) -> Any:
+            def arm() -> Any:
+                recorder = RolloutRecorder(target=server.address, session=session, **kwargs)
+                made.append(recorder)
+                return RecordRollouts(make(), recorder, chunk_steps=chunk_steps)
+
+            return arm
+
         arms = {
             "bare": make,
-            "wrapped": lambda: RecordRollouts(make(), recorder),
-            "wrapped_512": lambda: RecordRollouts(make(), recorder, chunk_steps=512),
-            "wrapped_linger": lambda: RecordRollouts(make(), lingering),
+            "wrapped": wrapped("gym-wrapper"),
+            "wrapped_512": wrapped("gym-wrapper", 512),
+            # Small chunks linger 50 ms and join (linger_ms, off by default).
+            "wrapped_linger": wrapped("gym-linger", linger_ms=50),
         }
+        for name in ("wrapped", "wrapped_linger"):  # warm up: connections, the first layouts
+            timed(arms[name]())
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
         for r in range(rounds):
             order = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]  # each first in turn
             for name in order:
                 runs[name].append(timed(arms[name]()))
-        status = recorder.status()
-        linger_status = lingering.status()
-        recorder.close()
-        lingering.close()
+            while made:  # after the round's clocks
+                made.pop().close()
+        with RolloutRecorder(target=server.address, session="gym-wrapper") as observer:
+            status = observer.status()
+        with RolloutRecorder(target=server.address, session="gym-linger") as observer:
+            linger_status = observer.status()
     finally:
+        for recorder in made:
+            recorder.close()
         server.stop()
     bare, wrapped = runs["bare"], runs["wrapped"]
 
