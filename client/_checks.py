@@ -73,6 +73,10 @@ def check_layout(
         raise InvalidChunkError(
             f"trajectories.action: expected shape (T, N) or (T, N, P), got {a_shape}"
         )
+    if a_shape[1] < 1:  # the worker's N would be fixed at 0, and every later chunk refused
+        raise InvalidChunkError(
+            f"trajectories.action: expected N >= 1 environments, got shape {a_shape}"
+        )
     tn = a_shape[:2]
     for key, (shape, dtype) in schema.items():
         label = _label(key)

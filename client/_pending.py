@@ -43,16 +43,22 @@ class PendingChunk:
     parts: list[dict[str, Any]] | None = None
     part_lengths: list[int] | None = None  # T of each call joined here, this one first
     merged: bool = False
+    # N, and whether chunks were dropped just before this one (the server cuts there).
+    envs: int = 0
+    cut_before: bool = False
 
-    def can_take(self, item: PendingChunk, cap: int) -> bool:
+    def can_take(self, item: PendingChunk, cap: int, env_steps: int = 0) -> bool:
         """Whether ``item`` may join this chunk: it still waits, has the same layout and the
-        same arrays, and the two stay within ``cap`` raw bytes."""
+        same arrays, no dropped chunk lies between them, and the two stay within ``cap`` raw
+        bytes and ``env_steps`` steps x envs (the server's cap; 0: not stated)."""
         return (
             self.growable
             and self.arrays is not None
+            and not item.cut_before
             and item.signature is not None
             and (item.signature is self.signature or item.signature == self.signature)
             and self.raw_bytes + item.raw_bytes <= cap
+            and (not env_steps or (self.length + item.length) * self.envs <= env_steps)
         )
 
     def take(self, item: PendingChunk) -> None:
@@ -132,6 +138,8 @@ def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.Recor
     chunk.sequence = item.sequence
     if item.part_lengths:  # the server hands the calls' episodes on call by call
         chunk.part_lengths.extend(item.part_lengths)
+    if item.cut_before:
+        chunk.cut_before = True
     fill_array(chunk.action, _to_host(arrays["action"]), level, pack)
     fill_array(chunk.reward, _to_host(arrays["reward"]), level, pack)
     done = _to_host(arrays["done"])

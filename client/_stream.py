@@ -159,10 +159,18 @@ class ChunkSender(StreamCounters):
         self._linger = 0.0 if max_episodes is not None else linger_s
         self._holding = False
         self._hurry = 0
+        # A joined message stays within these: raw bytes, and the server's env-step cap.
+        self._join_bytes, self._join_env_steps = _LINGER_CAP, 0
         self._thread = threading.Thread(target=self._run, name="recorder-sender", daemon=True)
         self._thread.start()
 
     # -- caller side -----------------------------------------------------
+    def join_limits(self, max_chunk_bytes: int, max_chunk_env_steps: int) -> None:
+        """The caps of the server joined (0: not stated) that a joined message keeps to."""
+        with self._cond:
+            self._join_bytes = min(_LINGER_CAP, max_chunk_bytes or _LINGER_CAP)
+            self._join_env_steps = max_chunk_env_steps
+
     @property
     def bytes_in_flight(self) -> int:
         return self._in_flight
@@ -186,13 +194,13 @@ class ChunkSender(StreamCounters):
             now = time.monotonic()
             self._gap, self._submitted = now - self._submitted, now
             tail = self._to_send[-1] if self._to_send else None
-            if tail is not None and tail.can_take(item, _LINGER_CAP):
+            if tail is not None and tail.can_take(item, self._join_bytes, self._join_env_steps):
                 tail.take(item)
                 self.stats.chunks_joined += 1
                 self._uncounted_steps += item.length
                 self._refresh_view()
                 return True
-            item.growable = self._gap < self._linger and item.raw_bytes < _LINGER_CAP
+            item.growable = self._gap < self._linger and item.raw_bytes < self._join_bytes
             item.queued_at = now
             self._to_send.append(item)
             self._count_later(item)
@@ -326,7 +334,7 @@ class ChunkSender(StreamCounters):
             or len(self._to_send) > 1
             or self._hurry
             or self._closing
-            or head.raw_bytes >= _LINGER_CAP
+            or head.raw_bytes >= self._join_bytes
         ):
             return False
         # record() does not wake a holding sender for a chunk that joins the held one.

@@ -18,6 +18,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -359,6 +360,30 @@ def check_worker_id(worker_id: str) -> str:
     ):
         raise ValueError(f"worker_id: expected 1-128 printable characters, got {shown(worker_id)}")
     return worker_id
+
+
+def check_options(
+    max_episodes: Any,
+    on_backpressure: str,
+    keepalive_seconds: float,
+    max_bytes_in_flight: int,
+    linger_ms: float,
+) -> None:
+    """RolloutRecorder's plain arguments: ValueError naming the first one out of range."""
+    if max_episodes is not None and (
+        isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
+    ):
+        raise ValueError(
+            f"max_episodes: expected None or a non-negative integer, got {max_episodes!r}"
+        )
+    if on_backpressure not in ("block", "drop"):
+        raise ValueError(f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}")
+    if not keepalive_seconds >= 1:
+        raise ValueError(f"keepalive_seconds: expected >= 1, got {keepalive_seconds!r}")
+    if max_bytes_in_flight <= 0:
+        raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
+    if not 0 <= linger_ms <= 10_000:
+        raise ValueError(f"linger_ms: expected 0 to 10000, got {linger_ms!r}")
 
 
 #: Characters a state field name may have (the observation fields' included).

@@ -96,22 +96,9 @@ class RolloutRecorder:
         record_obs: bool = True,
         linger_ms: float = 0.0,
     ) -> None:
-        if max_episodes is not None and (
-            isinstance(max_episodes, bool) or int(max_episodes) != max_episodes or max_episodes < 0
-        ):
-            raise ValueError(
-                f"max_episodes: expected None or a non-negative integer, got {max_episodes!r}"
-            )
-        if on_backpressure not in ("block", "drop"):
-            raise ValueError(
-                f"on_backpressure: expected 'block' or 'drop', got {on_backpressure!r}"
-            )
-        if not keepalive_seconds >= 1:
-            raise ValueError(f"keepalive_seconds: expected >= 1, got {keepalive_seconds!r}")
-        if max_bytes_in_flight <= 0:
-            raise ValueError(f"max_bytes_in_flight: expected > 0, got {max_bytes_in_flight}")
-        if not 0 <= linger_ms <= 10_000:
-            raise ValueError(f"linger_ms: expected 0 to 10000, got {linger_ms!r}")
+        _wire.check_options(
+            max_episodes, on_backpressure, keepalive_seconds, max_bytes_in_flight, linger_ms
+        )
         raise_loss = raises_on_loss(on_data_loss)
         if on_error is not None and not callable(on_error):
             raise ValueError(f"on_error: expected a callable or None, got {on_error!r}")
@@ -156,6 +143,8 @@ class RolloutRecorder:
         # (N,) whether each env's open episode has no step yet, after the chunks with a
         # valid mask (None: not known here; the server checks then).
         self._open_empty: np.ndarray | None = None
+        # Chunks dropped at the cap since the last one queued: the next one tells the server.
+        self._dropped = False
         self._closed = False
         self._embedded: EmbeddedServer | None = None
         self._connection: Connection | None = None
@@ -200,6 +189,7 @@ class RolloutRecorder:
                 ),
             )
             self._sender.take_counters(self._joined.status, self._sequence)
+            self._sender.join_limits(self._joined.max_chunk_bytes, self._joined.max_chunk_env_steps)
         except BaseException:
             self._shutdown_transport()
             raise
@@ -234,6 +224,7 @@ class RolloutRecorder:
         sender = getattr(self, "_sender", None)
         if sender is not None:  # a rejoin: the server's counters count up to last_sequence
             sender.take_counters(reply.status, reply.last_sequence)
+            sender.join_limits(reply.max_chunk_bytes, reply.max_chunk_env_steps)
         return int(reply.last_sequence)
 
     def _first_join(self, timeout: float) -> int:
@@ -340,26 +331,31 @@ class RolloutRecorder:
         with self._lock:
             self._sequence += 1
             done = arrays["done"]
+            shape = done.shape
             item = PendingChunk(
                 self._sequence,
                 raw,
                 arrays,
                 schema=schema,
-                length=int(done.shape[0]),
+                length=int(shape[0]),
                 # Counted now, while the sender threads sleep (a device array: later).
                 dones=int(np.count_nonzero(done))
                 if self.max_episodes is not None and isinstance(done, np.ndarray)
                 else None,
+                envs=int(shape[1]),
+                cut_before=self._dropped,
             )
             item.signature = self._signature
             if not self._sender.submit(item, block=self._block):
                 self._sequence -= 1
+                self._dropped = True
                 self._open_empty = None
                 self._raise_async_errors()
                 return False
             if item.merged:  # it joined the chunk queued before it, and that one's sequence
                 self._sequence -= 1
             self._open_empty = open_empty
+            self._dropped = False
         # A refusal of an earlier chunk is raised here, after this call's chunk is queued:
         # catching it never costs a chunk.
         self._raise_async_errors()

@@ -244,6 +244,8 @@ class Chunk:
     """Why its headers were refused on arrival (its sequence number is still taken)."""
     parts: tuple[int, ...] = ()
     """T of each record() call joined into it (a client's linger), or () for one call."""
+    cut_before: bool = False
+    """The client dropped chunks of this worker just before it: a hole, as a refusal."""
 
     @property
     def wire_bytes(self) -> int:
@@ -373,6 +375,8 @@ def decode_chunk(
     if len(action.shape) not in (2, 3):
         raise invalid(f"chunk.action: expected shape (T, N) or (T, N, P), got {list(action.shape)}")
     length, n = action.shape[:2]
+    if n < 1:  # the worker's N would be fixed at 0, and every later chunk refused
+        raise invalid(f"chunk.action: expected N >= 1 environments, got shape {list(action.shape)}")
     tn = [length, n]
     for name in ("reward", "done"):
         if list(arrays[name].shape) != tn:

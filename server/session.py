@@ -375,6 +375,8 @@ class Session(FrameProofs, StoreVerbs):
                     raise dropped_error(self.name, self.dropped_at)
                 if self.is_full:
                     return self._drop_full(worker_id, timeline, seq, log)
+                if chunk.cut_before:  # the client dropped chunks just before this one
+                    timeline.cut()
                 try:
                     check_schema(self.schema, timeline.num_envs, decoded, timeline.open_empty())
                 except RequestError:

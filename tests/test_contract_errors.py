@@ -115,6 +115,14 @@ BAD = {
         _base(done=np.zeros((T, N), bool), obs={"pos": np.zeros(())}),
         ["trajectories.obs.pos", f"{(T, N)}", "()"],
     ),
+    "no_envs": (  # the worker's N would be fixed at 0
+        {
+            "action": np.zeros((T, 0), np.int32),
+            "reward": np.ones((T, 0), np.float32),
+            "done": np.zeros((T, 0), bool),
+        },
+        ["trajectories.action", "expected N >= 1 environments", f"{(T, 0)}"],
+    ),
 }
 
 
@@ -285,3 +293,23 @@ def test_the_server_refuses_the_same_chunks_and_stays_intact(target):
     assert out.lengths.tolist() == [3, 2, 3, 1, 2]
     assert out.episode_terminated.tolist() == [True, False, True, False, False]
     assert out.states["obs"].sum(axis=1).tolist() == out.lengths.tolist()
+
+
+def test_the_server_refuses_a_first_chunk_of_no_envs(target):
+    """Before any chunk fixes the worker's N: refused, and the next chunk of N envs stored."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.RecorderStub(channel)
+        stub.Join(pb.JoinRequest(session="n0", config=pb.SessionConfig(), worker_id="w"))
+        empty = pb.Chunk(sequence=1)
+        empty.action.CopyFrom(array_to_proto(np.zeros((T, 0), np.int32)))
+        empty.reward.CopyFrom(array_to_proto(np.ones((T, 0), np.float32)))
+        empty.done.CopyFrom(array_to_proto(np.zeros((T, 0), bool)))
+        requests = [
+            pb.RecordRequest(open=pb.RecordOpen(session="n0", worker_id="w")),
+            pb.RecordRequest(chunk=empty),
+            pb.RecordRequest(chunk=_chunk(2, **_flags((1, 0)))),
+        ]
+        acks = list(stub.Record(iter(requests), timeout=60))
+    assert [a.result for a in acks] == [pb.RecordAck.REJECTED, pb.RecordAck.STORED]
+    assert acks[0].error_code == "INVALID_ARGUMENT"
+    assert "chunk.action: expected N >= 1 environments, got shape [4, 0]" in acks[0].error_message

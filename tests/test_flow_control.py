@@ -115,8 +115,68 @@ def test_drop_mode_counts_what_it_dropped(stopped):
         assert rec.dropped_chunks == 7
         rec.flush(timeout=30)  # room again once the server answers
         assert all(rec.record(numbered_chunk(i)) for i in range(10, 12))
-        out = rec.finish()
+        whole = rec.finish()
+        out = rec.finish(include_partial=True)
     assert sorted(set(out.actions[out.mask()].tolist())) == [0, 1, 2, 10, 11]
+    # Chunk i ends its envs' episodes when i % 3 == 2: the episodes are chunks 0-2, 3-5,
+    # 6-8 and 9-11. The one of chunks 10-11 lost its start with chunk 9: it is marked, not
+    # passed off as whole, and finish() leaves it out by default.
+    for b in range(out.num_episodes):
+        chunks = sorted(set(out.actions[b, : int(out.lengths[b])].tolist()))
+        assert (chunks, out.episode_partial[b]) in (([0, 1, 2], ""), ([10, 11], "gap_before"))
+    assert int((out.episode_partial == "gap_before").sum()) == N
+    assert sorted(set(whole.actions[whole.mask()].tolist())) == [0, 1, 2]
+
+
+def pieces(out) -> dict[tuple, set]:
+    """Each episode piece as the chunk numbers its actions hold, with its partial marks."""
+    got: dict[tuple, set] = {}
+    for b in range(out.num_episodes):
+        chunks = tuple(sorted(set(out.actions[b, : int(out.lengths[b])].tolist())))
+        got[chunks] = got.get(chunks, set()) | {str(out.episode_partial[b])}
+    return got
+
+
+def test_no_episode_spans_chunks_dropped_at_the_cap(tmp_path):
+    """Episodes open across the drop end at the hole (gap_after), and what follows starts
+    unknown (gap_before), as at a chunk the server refused; so after a kill -9 and the
+    replay of the write-ahead log too."""
+    from conftest import RestartableServer
+
+    server = RestartableServer(tmp_path / "data").start()
+    try:
+        with RolloutRecorder(
+            target=server.address,
+            session="hole",
+            max_bytes_in_flight=2 * CHUNK_BYTES,
+            on_backpressure="drop",
+            reconnect_timeout=60,
+        ) as rec:
+            for i in (0, 1):  # no done: the episodes stay open
+                chunk = numbered_chunk(i)
+                chunk["done"][:] = False
+                assert rec.record(chunk)
+            rec.flush(timeout=30)
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                kept = [rec.record(numbered_chunk(i)) for i in range(3, 7)]
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            rec.flush(timeout=30)
+            assert kept == [True, True, False, False]  # chunks 5 and 6 are the hole
+            last = numbered_chunk(7)
+            last["done"][-1] = True
+            assert rec.record(last)
+            before = pieces(rec.finish(include_partial=True))
+        server.kill()
+        server.start()
+        with RolloutRecorder(target=server.address, session="hole") as reader:
+            after = pieces(reader.finish(include_partial=True))
+    finally:
+        server.kill()
+    # The episodes open after chunk 4 end at the hole (dropped chunk 5 ended them), and
+    # chunk 7 ends ones that began in dropped chunk 6: both pieces are marked.
+    assert before == after == {(0, 1, 3, 4): {"gap_after"}, (7,): {"gap_before"}}
 
 
 def test_no_reordering_within_a_worker_under_backpressure(server_process):

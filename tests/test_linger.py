@@ -205,3 +205,32 @@ def test_the_log_keeps_a_joined_chunks_parts():
         b"".join(records.chunk("s", "w", chunk_from_proto(msg, ServiceLimits())))
     )
     assert alone.body.parts == ()
+
+
+@pytest.mark.parametrize("cap", ["max_chunk_env_steps", "max_chunk_bytes"])
+def test_a_joined_message_keeps_to_the_servers_chunk_caps(tmp_path, cap):
+    """Each call fits the server's chunk caps; the message they join into must too (the
+    server states them when the worker joins)."""
+    from recorder_server import ServerOptions, start_server
+    from recorder_server.limits import ServiceLimits
+
+    calls = chunks(12)
+    call_bytes = sum(a.nbytes for a in (*calls[0][0].values(), *calls[0][1].values()))
+    # Room for two calls, not three.
+    value = 2 * T * N if cap == "max_chunk_env_steps" else 2 * call_bytes + call_bytes // 2
+    limits = dataclasses.replace(ServiceLimits(), **{cap: value})
+    options = ServerOptions(listen="127.0.0.1:0", data_dir=str(tmp_path / "data"), limits=limits)
+    running = start_server(options)
+    config = {"record_states": True, "state_fields": ["player_positions"]}
+    ref = ReferenceRecorder(**config)
+    try:
+        with RolloutRecorder(
+            **config, target=running.address, session="capped", linger_ms=500
+        ) as rec:
+            record_all(rec, ref, calls)
+            rec.flush()  # a refused message would raise here
+            assert rec.stats.chunks_joined >= 4, rec.stats  # they still join, two by two
+            assert rec.stats.chunks_acked >= 6, rec.stats
+            assert_bit_identical(rec.finish(), ref.finish())
+    finally:
+        running.stop(grace=0)

@@ -77,20 +77,24 @@ class JoinRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., config: _Optional[_Union[SessionConfig, _Mapping]] = ..., worker_id: _Optional[str] = ..., acked_sequence: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs", "loss", "max_message_bytes")
+    __slots__ = ("worker_index", "last_sequence", "status", "packed_codecs", "loss", "max_message_bytes", "max_chunk_env_steps", "max_chunk_bytes")
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PACKED_CODECS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_index: int
     last_sequence: int
     status: StatusReply
     packed_codecs: bool
     loss: LossReport
     max_message_bytes: int
-    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ..., loss: _Optional[_Union[LossReport, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    max_chunk_env_steps: int
+    max_chunk_bytes: int
+    def __init__(self, worker_index: _Optional[int] = ..., last_sequence: _Optional[int] = ..., status: _Optional[_Union[StatusReply, _Mapping]] = ..., packed_codecs: _Optional[bool] = ..., loss: _Optional[_Union[LossReport, _Mapping]] = ..., max_message_bytes: _Optional[int] = ..., max_chunk_env_steps: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LossReport(_message.Message):
     __slots__ = ("cause", "detail", "first_sequence", "last_sequence")
@@ -127,7 +131,7 @@ class RecordOpen(_message.Message):
     def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals", "part_lengths")
+    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals", "part_lengths", "cut_before")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +143,7 @@ class Chunk(_message.Message):
     VALID_FIELD_NUMBER: _ClassVar[int]
     FINALS_FIELD_NUMBER: _ClassVar[int]
     PART_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     action: ArrayData
     reward: ArrayData
@@ -150,7 +155,8 @@ class Chunk(_message.Message):
     valid: ArrayData
     finals: _containers.RepeatedCompositeFieldContainer[NamedArray]
     part_lengths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., part_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+    cut_before: bool
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., part_lengths: _Optional[_Iterable[int]] = ..., cut_before: _Optional[bool] = ...) -> None: ...
 
 class RecordRequest(_message.Message):
     __slots__ = ("open", "chunk")

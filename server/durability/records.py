@@ -118,7 +118,11 @@ def chunk(session: str, worker: str, value: Chunk) -> list:
     return [
         _prefix(CHUNK, session, worker),
         *_with_arrays(
-            {"sequence": value.sequence, **({"parts": list(value.parts)} if value.parts else {})},
+            {
+                "sequence": value.sequence,
+                **({"parts": list(value.parts)} if value.parts else {}),
+                **({"cut_before": True} if value.cut_before else {}),
+            },
             value.arrays,
         ),
     ]
@@ -193,7 +197,15 @@ def decode(data: bytes | memoryview) -> Record:
         body = Skip(seq, cut)
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
-        body = Chunk(int(header["sequence"]), arrays, parts=tuple(header.get("parts", ())))
+        cut_before = header.get("cut_before", False)
+        if not isinstance(cut_before, bool):
+            raise ValueError(f"log record: chunk with cut_before {cut_before!r}")
+        body = Chunk(
+            int(header["sequence"]),
+            arrays,
+            parts=tuple(header.get("parts", ())),
+            cut_before=cut_before,
+        )
     elif kind == EPISODE:
         header, arrays = _read_arrays(payload)
         ref = header.get("start_reference")

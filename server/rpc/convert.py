@@ -152,7 +152,12 @@ def chunk_from_proto(msg: pb.Chunk, limits: ServiceLimits) -> Chunk:
             raise invalid(f"{what}: field sent twice")
         arrays[key] = array_from_proto(named.array, what, max_raw)
     check_size(arrays, "chunk", limits.max_chunk_bytes, limits.max_chunk_env_steps, time_axes=2)
-    return Chunk(msg.sequence, arrays, parts=check_parts(msg.part_lengths, arrays))
+    return Chunk(
+        msg.sequence,
+        arrays,
+        parts=check_parts(msg.part_lengths, arrays),
+        cut_before=msg.cut_before,
+    )
 
 
 def episode_from_proto(msg: pb.SubmitEpisodeRequest, limits: ServiceLimits) -> SubmittedEpisode:

@@ -138,6 +138,8 @@ class RecorderServicer(pb_grpc.RecorderServicer):
             status=convert.session_counters(session),
             packed_codecs=True,
             max_message_bytes=self.max_message_bytes,
+            max_chunk_env_steps=self.limits.max_chunk_env_steps,
+            max_chunk_bytes=self.limits.max_chunk_bytes,
         )
         if acked > held:
             cause = session.identity.last_loss.pop(request.worker_id, None)
