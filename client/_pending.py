@@ -46,6 +46,7 @@ class PendingChunk:
     # N, and whether chunks were dropped just before this one (the server cuts there).
     envs: int = 0
     cut_before: bool = False
+    fresh_start: bool = False  # a new instance's first chunk of a worker id used before
 
     def can_take(self, item: PendingChunk, cap: int, env_steps: int = 0) -> bool:
         """Whether ``item`` may join this chunk: it still waits, has the same layout and the
@@ -140,6 +141,8 @@ def encode_chunk(item: PendingChunk, level: int, pack: bool = False) -> pb.Recor
         chunk.part_lengths.extend(item.part_lengths)
     if item.cut_before:
         chunk.cut_before = True
+    if item.fresh_start:
+        chunk.fresh_start = True
     fill_array(chunk.action, _to_host(arrays["action"]), level, pack)
     fill_array(chunk.reward, _to_host(arrays["reward"]), level, pack)
     done = _to_host(arrays["done"])

@@ -37,6 +37,8 @@ from .trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
+_JOINED_HERE: set[tuple[int, str, str, str]] = set()  # (pid, target, session, worker_id)
+
 TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
 DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
 
@@ -143,8 +145,7 @@ class RolloutRecorder:
         # (N,) whether each env's open episode has no step yet, after the chunks with a
         # valid mask (None: not known here; the server checks then).
         self._open_empty: np.ndarray | None = None
-        # Chunks dropped at the cap since the last one queued: the next one tells the server.
-        self._dropped = False
+        self._dropped = False  # chunks dropped at the cap since the last queued: a hole
         self._closed = False
         self._embedded: EmbeddedServer | None = None
         self._connection: Connection | None = None
@@ -166,6 +167,11 @@ class RolloutRecorder:
                 keepalive_seconds=keepalive_seconds,
             )
             self._sequence = self._first_join(connect_timeout)
+            # Chunks of another process's envs (gone): this one's first chunk starts new
+            # episodes. An earlier recorder of this process had the same envs: continued.
+            here = (os.getpid(), target, session, self.worker_id)
+            self._fresh_start = self._sequence > 0 and here not in _JOINED_HERE
+            _JOINED_HERE.add(here)
             self._sender = ChunkSender(
                 connection=self._connection,
                 join=self._join,
@@ -344,6 +350,7 @@ class RolloutRecorder:
                 else None,
                 envs=int(shape[1]),
                 cut_before=self._dropped,
+                fresh_start=self._fresh_start,
             )
             item.signature = self._signature
             if not self._sender.submit(item, block=self._block):
@@ -355,7 +362,7 @@ class RolloutRecorder:
             if item.merged:  # it joined the chunk queued before it, and that one's sequence
                 self._sequence -= 1
             self._open_empty = open_empty
-            self._dropped = False
+            self._dropped = self._fresh_start = False
         # A refusal of an earlier chunk is raised here, after this call's chunk is queued:
         # catching it never costs a chunk.
         self._raise_async_errors()
@@ -506,8 +513,9 @@ class RolloutRecorder:
         self._connection.upload(
             "LoadRuntimeState", file_parts(self.session, f"{self.session}.state", bytes(state))
         )
-        # This worker's place and sequence come from the loaded state now.
+        # This worker's place, sequence and open episodes come from the loaded state now.
         self._sequence = self._join(0)  # which also takes the loaded counters
+        self._fresh_start = False
         self._forget_layout()
 
     def checkpoint(self) -> str:

@@ -246,6 +246,8 @@ class Chunk:
     """T of each record() call joined into it (a client's linger), or () for one call."""
     cut_before: bool = False
     """The client dropped chunks of this worker just before it: a hole, as a refusal."""
+    fresh_start: bool = False
+    """A new recorder instance's first chunk of this worker: its envs start new episodes."""
 
     @property
     def wire_bytes(self) -> int:

@@ -179,13 +179,17 @@ class WorkerTimeline:
         self.wire_bytes += wire_bytes
         return env, start, end, partial
 
-    def cut(self) -> None:
+    def cut(self, fresh: bool = False) -> None:
         """Chunks of this worker were lost just before its next step (a sequence gap).
 
         Every open episode ends here as an unfinished tail (GAP_AFTER); what follows, up to
         each env's next done, starts unknown (GAP_BEFORE). Nothing is joined across.
+        ``fresh``: what follows starts new episodes instead (another recorder instance took
+        the worker id), whose starts are known.
         """
         t = self.t_total
+        if fresh and (self.open_start is None or not (self.open_start < t).any()):
+            return  # no episode has steps to end
         if not self.cuts or self.cuts[-1] != t:
             self.cuts.append(t)
         if self.num_envs is None:
@@ -197,7 +201,7 @@ class WorkerTimeline:
             flags = GAP_AFTER | (GAP_BEFORE if open_partial[e] else 0)
             self.cut_tails.append((e, int(self.open_start[e]), t, flags))
         self.open_start[:] = t
-        open_partial[:] = True
+        open_partial[:] = not fresh
 
     def _open_partial(self) -> np.ndarray:
         """(N,) whether a gap hid each env's open start (call once num_envs is known)."""

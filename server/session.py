@@ -377,6 +377,8 @@ class Session(FrameProofs, StoreVerbs):
                     return self._drop_full(worker_id, timeline, seq, log)
                 if chunk.cut_before:  # the client dropped chunks just before this one
                     timeline.cut()
+                elif chunk.fresh_start:  # a new recorder instance's envs: new episodes
+                    timeline.cut(fresh=True)
                 try:
                     check_schema(self.schema, timeline.num_envs, decoded, timeline.open_empty())
                 except RequestError:

@@ -370,3 +370,63 @@ def test_tombstones_survive_a_round_trip_through_their_entries():
     with pytest.raises(Exception, match="'b' was dropped at 1970-01-01 00:33:20 UTC"):
         again.check("b", "r3")
     again.check("a", "r2")
+
+
+def handover_chunk(action: int, done_last: bool) -> dict:
+    done = np.zeros((3, 2), bool)
+    done[-1] = done_last
+    return {
+        "action": np.full((3, 2), action, np.int32),
+        "reward": np.ones((3, 2), np.float32),
+        "done": done,
+    }
+
+
+def pieces_by_env(out) -> dict[int, list[tuple]]:
+    """Each env's episode pieces in time order: (actions seen, length, partial, done)."""
+    got: dict[int, list[tuple]] = {}
+    order = np.lexsort((out.episode_start, out.episode_env))
+    for b in order:
+        n = int(out.lengths[b])
+        got.setdefault(int(out.episode_env[b]), []).append(
+            (
+                sorted(set(out.actions[b, :n].tolist())),
+                n,
+                str(out.episode_partial[b]),
+                bool(out.episode_done[b]),
+            )
+        )
+    return got
+
+
+def test_a_worker_id_another_process_recorded_into_starts_new_episodes(target):
+    """A replacement process (a restarted actor, its envs new) takes over a worker id whose
+    episodes the one before left open: those end there (gap_after), and its steps start new
+    episodes. A new recorder of the same process has the same envs: it continues them."""
+    first = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from recorder_client import RolloutRecorder
+        chunk = {
+            "action": np.full((3, 2), 1, np.int32),
+            "reward": np.ones((3, 2), np.float32),
+            "done": np.zeros((3, 2), bool),
+        }
+        with RolloutRecorder(target=sys.argv[1], session="handover", worker_id="actor-3") as rec:
+            rec.record(chunk)
+        """
+    )
+    subprocess.run([sys.executable, "-c", first, target], check=True, timeout=120)
+    with RolloutRecorder(target=target, session="handover", worker_id="actor-3") as rec:
+        rec.record(handover_chunk(2, done_last=True))
+        out = rec.finish(include_partial=True)
+    for env_index in (0, 1):
+        assert pieces_by_env(out)[env_index] == [([1], 3, "gap_after", False), ([2], 3, "", True)]
+
+    # The same process again: one recorder leaves an episode open, the next continues it.
+    for action, done_last in ((3, False), (4, True)):
+        with RolloutRecorder(target=target, session="handover", worker_id="actor-3") as rec:
+            rec.record(handover_chunk(action, done_last))
+            out = rec.finish(include_partial=True)
+    assert pieces_by_env(out)[0][-1] == ([3, 4], 6, "", True)

@@ -205,6 +205,16 @@ def test_the_log_keeps_a_joined_chunks_parts():
         b"".join(records.chunk("s", "w", chunk_from_proto(msg, ServiceLimits())))
     )
     assert alone.body.parts == ()
+    assert (alone.body.cut_before, alone.body.fresh_start) == (False, False)
+    # The client's marks of a hole (chunks it dropped) and of a new process's first chunk.
+    for flag in ("cut_before", "fresh_start"):
+        marked = pb.Chunk()
+        marked.CopyFrom(msg)
+        setattr(marked, flag, True)
+        body = records.decode(
+            b"".join(records.chunk("s", "w", chunk_from_proto(marked, ServiceLimits())))
+        ).body
+        assert getattr(body, flag) and not body.parts, flag
 
 
 @pytest.mark.parametrize("cap", ["max_chunk_env_steps", "max_chunk_bytes"])

@@ -131,7 +131,7 @@ class RecordOpen(_message.Message):
     def __init__(self, session: _Optional[str] = ..., worker_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals", "part_lengths", "cut_before")
+    __slots__ = ("sequence", "action", "reward", "done", "states", "outcome", "terminated", "truncated", "valid", "finals", "part_lengths", "cut_before", "fresh_start")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Chunk(_message.Message):
     FINALS_FIELD_NUMBER: _ClassVar[int]
     PART_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     CUT_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    FRESH_START_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     action: ArrayData
     reward: ArrayData
@@ -156,7 +157,8 @@ class Chunk(_message.Message):
     finals: _containers.RepeatedCompositeFieldContainer[NamedArray]
     part_lengths: _containers.RepeatedScalarFieldContainer[int]
     cut_before: bool
-    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., part_lengths: _Optional[_Iterable[int]] = ..., cut_before: _Optional[bool] = ...) -> None: ...
+    fresh_start: bool
+    def __init__(self, sequence: _Optional[int] = ..., action: _Optional[_Union[ArrayData, _Mapping]] = ..., reward: _Optional[_Union[ArrayData, _Mapping]] = ..., done: _Optional[_Union[ArrayData, _Mapping]] = ..., states: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., outcome: _Optional[_Union[ArrayData, _Mapping]] = ..., terminated: _Optional[_Union[ArrayData, _Mapping]] = ..., truncated: _Optional[_Union[ArrayData, _Mapping]] = ..., valid: _Optional[_Union[ArrayData, _Mapping]] = ..., finals: _Optional[_Iterable[_Union[NamedArray, _Mapping]]] = ..., part_lengths: _Optional[_Iterable[int]] = ..., cut_before: _Optional[bool] = ..., fresh_start: _Optional[bool] = ...) -> None: ...
 
 class RecordRequest(_message.Message):
     __slots__ = ("open", "chunk")

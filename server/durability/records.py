@@ -122,6 +122,7 @@ def chunk(session: str, worker: str, value: Chunk) -> list:
                 "sequence": value.sequence,
                 **({"parts": list(value.parts)} if value.parts else {}),
                 **({"cut_before": True} if value.cut_before else {}),
+                **({"fresh_start": True} if value.fresh_start else {}),
             },
             value.arrays,
         ),
@@ -197,15 +198,11 @@ def decode(data: bytes | memoryview) -> Record:
         body = Skip(seq, cut)
     elif kind == CHUNK:
         header, arrays = _read_arrays(payload)
-        cut_before = header.get("cut_before", False)
-        if not isinstance(cut_before, bool):
-            raise ValueError(f"log record: chunk with cut_before {cut_before!r}")
-        body = Chunk(
-            int(header["sequence"]),
-            arrays,
-            parts=tuple(header.get("parts", ())),
-            cut_before=cut_before,
-        )
+        flags = {k: header.get(k, False) for k in ("cut_before", "fresh_start")}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"log record: chunk with {key} {value!r}")
+        body = Chunk(int(header["sequence"]), arrays, parts=tuple(header.get("parts", ())), **flags)
     elif kind == EPISODE:
         header, arrays = _read_arrays(payload)
         ref = header.get("start_reference")

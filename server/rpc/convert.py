@@ -157,6 +157,7 @@ def chunk_from_proto(msg: pb.Chunk, limits: ServiceLimits) -> Chunk:
         arrays,
         parts=check_parts(msg.part_lengths, arrays),
         cut_before=msg.cut_before,
+        fresh_start=msg.fresh_start,
     )
 
 
