@@ -136,10 +136,12 @@ class Truth:
     ready: bool = False
 
     def episodes(self, *, possible: bool = False) -> tuple[Counter, Counter]:
-        """(recorded, acknowledged) finished episodes of the kept chunks, each as (worker,
-        env, start, length, reward bytes); acknowledged: its last chunk was acknowledged.
-        ``possible``: for a killed trainer, also the chunk after its last line (record() may
-        have taken it just before the kill)."""
+        """(recorded, acknowledged) whole finished episodes of the kept chunks, each as
+        (worker, env, start, length, reward bytes), on the time axis of the kept chunks;
+        acknowledged: its last chunk was acknowledged. Chunks dropped at the in-flight cap
+        are a hole: an episode that reaches back to one is not whole (its start was in the
+        hole) and is left out. ``possible``: for a killed trainer, also the chunk after its
+        last line (record() may have taken it just before the kill)."""
         recorded, acked = Counter(), Counter()
         kept = list(self.kept)
         if possible and not self.ended and not self.dropped:
@@ -148,15 +150,25 @@ class Truth:
             return recorded, acked
         parts = [chunk(self.seed, i)[0] for i in kept]
         lengths = np.cumsum([p["done"].shape[0] for p in parts])
+        # Where a kept chunk follows dropped ones: the step its first row takes.
+        holes = [0] if kept[0] > 0 else []
+        holes += [int(lengths[i - 1]) for i in range(1, len(kept)) if kept[i] != kept[i - 1] + 1]
         done = np.concatenate([p["done"] for p in parts])
         reward = np.concatenate([p["reward"] for p in parts])
         for env in range(N):
             start = 0
             for t in np.flatnonzero(done[:, env]).tolist():
-                key = (self.worker, env, start, t + 1 - start, reward[start : t + 1, env].tobytes())
-                recorded[key] += 1
-                if int(np.searchsorted(lengths, t, side="right")) < self.acked:
-                    acked[key] += 1
+                if not any(start <= hole <= t for hole in holes):
+                    key = (
+                        self.worker,
+                        env,
+                        start,
+                        t + 1 - start,
+                        reward[start : t + 1, env].tobytes(),
+                    )
+                    recorded[key] += 1
+                    if int(np.searchsorted(lengths, t, side="right")) < self.acked:
+                        acked[key] += 1
                 start = t + 1
         return recorded, acked
 
@@ -293,9 +305,15 @@ def duckdb_episodes(cluster: Cluster) -> Counter:
     steps = open_dataset(cluster.uri, storage_options=cluster.storage_options)
     con = duckdb.connect()
     con.register("steps", steps)
+    # Whole episodes, as read_episodes gives by default (a drop leaves marked pieces).
+    whole = (
+        "WHERE coalesce(CAST(partial AS VARCHAR), '') = '' "
+        if "partial" in steps.schema.names
+        else ""
+    )
     rows = con.execute(
         "SELECT CAST(worker AS VARCHAR), env, start, count(*) AS length, "
-        "count(DISTINCT episode_id) AS ids FROM steps GROUP BY ALL"
+        f"count(DISTINCT episode_id) AS ids FROM steps {whole}GROUP BY ALL"
     ).fetchall()
     return Counter({(w, int(e), int(s), int(n)): int(ids) for w, e, s, n, ids in rows})
 
