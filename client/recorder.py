@@ -37,7 +37,7 @@ from .trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
-_JOINED_HERE: set[tuple[int, str, str, str]] = set()  # (pid, target, session, worker_id)
+_JOINED_HERE: set[tuple[int, str, str]] = set()  # (pid, session, worker_id) joined here
 
 TARGET_ENV = "ROLLOUT_RECORDER_TARGET"
 DEFAULT_STATE_FIELDS = ("player_positions", "player_inventory")
@@ -169,7 +169,7 @@ class RolloutRecorder:
             self._sequence = self._first_join(connect_timeout)
             # Chunks of another process's envs (gone): this one's first chunk starts new
             # episodes. An earlier recorder of this process had the same envs: continued.
-            here = (os.getpid(), target, session, self.worker_id)
+            here = (os.getpid(), session, self.worker_id)  # any address: a server may move
             self._fresh_start = self._sequence > 0 and here not in _JOINED_HERE
             _JOINED_HERE.add(here)
             self._sender = ChunkSender(
