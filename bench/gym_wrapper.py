@@ -3,12 +3,11 @@
 CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
 the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a local
 server (at the default 128 steps a `record()`, and at 512), side by side: the three take
-turns in short rounds (each first in turn), so that all see the same background load. A
-wrapped round's clock runs until `close()` has flushed its last chunk to the server; each
-wrapped round records into a recorder of its own, joined before its clock starts (a wrapper
-closed mid-episode leaves episodes open that another would continue). The row is env steps
-per second (vector steps x 8), wrapped against bare; the target reads the median of the
-rounds' ratios.
+turns in short rounds (each first in turn), so that all see the same background load. Each
+arm steps one env (and one wrapper and recorder) for the whole run, as a training loop does;
+a wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
+wrapper still holds go in its next round). The row is env steps per second (vector steps x
+8), wrapped against bare; the target reads the median of the rounds' ratios.
 
 gymnasium comes with the dev extra (the tests run it); without it the scenario is skipped.
 """
@@ -41,54 +40,49 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     def make() -> Any:
         return gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * NUM_ENVS)
 
-    def timed(envs: Any) -> tuple[float, float, float]:
+    def timed(envs: Any, recorder: Any) -> tuple[float, float, float]:
         """Env steps per second of wall time, per second of this process's CPU time (every
         thread: the recorder's sender too), and per second of the loop thread's CPU time."""
-        envs.reset(seed=0)
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         for action in actions:
             envs.step(action)
-        envs.close()  # the wrapper's: the last chunk flushed to the server
+        if recorder is not None:
+            recorder.flush()  # the round's chunks acknowledged by the server
         n = steps * NUM_ENVS
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return n / wall, n / cpu, n / (time.thread_time() - m0)
 
     server = ctx.server("gym_record_rollouts")
+    recorders: list[Any] = []
+    arms: dict[str, tuple[Any, Any]] = {}
     try:
-        # A wrapper closed mid-episode leaves its episodes open, so each wrapped round records
-        # into a recorder of its own (another worker), joined before the clock starts.
-        made: list[Any] = []
+        # Each arm steps one env for the whole run (a wrapper records into one recorder from
+        # start to end, as in training); a round's clock runs until its chunks are acked.
+        # The rows a wrapper holds at a round's end (fewer than a chunk) go in the next one.
+        def wrapped(session: str, chunk_steps: int = 128, **kwargs: Any) -> tuple[Any, Any]:
+            recorder = RolloutRecorder(target=server.address, session=session, **kwargs)
+            recorders.append(recorder)
+            return RecordRollouts(make(), recorder, chunk_steps=chunk_steps), recorder
 
-        def wrapped(session: str, chunk_steps: int = 128, **kwargs: Any) -> Any:
-            def arm() -> Any:
-                recorder = RolloutRecorder(target=server.address, session=session, **kwargs)
-                made.append(recorder)
-                return RecordRollouts(make(), recorder, chunk_steps=chunk_steps)
-
-            return arm
-
-        arms = {
-            "bare": make,
-            "wrapped": wrapped("gym-wrapper"),
-            "wrapped_512": wrapped("gym-wrapper", 512),
-            # Small chunks linger 50 ms and join (linger_ms, off by default).
-            "wrapped_linger": wrapped("gym-linger", linger_ms=50),
-        }
-        for name in ("wrapped", "wrapped_linger"):  # warm up: connections, the first layouts
-            timed(arms[name]())
+        arms["bare"] = (make(), None)
+        arms["wrapped"] = wrapped("gym-wrapper")
+        arms["wrapped_512"] = wrapped("gym-wrapper-512", 512)
+        # Small chunks linger 50 ms and join (linger_ms, off by default).
+        arms["wrapped_linger"] = wrapped("gym-linger", linger_ms=50)
+        for envs, recorder in arms.values():  # warm up: connections, the first layouts
+            envs.reset(seed=0)
+            timed(envs, recorder)
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in arms}
         for r in range(rounds):
             order = list(arms)[r % len(arms) :] + list(arms)[: r % len(arms)]  # each first in turn
             for name in order:
-                runs[name].append(timed(arms[name]()))
-            while made:  # after the round's clocks
-                made.pop().close()
-        with RolloutRecorder(target=server.address, session="gym-wrapper") as observer:
-            status = observer.status()
-        with RolloutRecorder(target=server.address, session="gym-linger") as observer:
-            linger_status = observer.status()
+                runs[name].append(timed(*arms[name]))
+        for envs, _ in arms.values():
+            envs.close()  # a wrapper's: its last rows recorded, its recorder flushed
+        status = arms["wrapped"][1].status()
+        linger_status = arms["wrapped_linger"][1].status()
     finally:
-        for recorder in made:
+        for recorder in recorders:
             recorder.close()
         server.stop()
     bare, wrapped = runs["bare"], runs["wrapped"]
@@ -125,7 +119,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "recorded_steps": linger_status.num_recorded_steps,
         },
         "recorded_steps": status.num_recorded_steps,
-        "stepped": (2 * rounds + 1) * steps * NUM_ENVS,
+        "stepped": (rounds + 1) * steps * NUM_ENVS,
         "gymnasium_version": gym.__version__,
     }
 
