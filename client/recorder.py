@@ -167,11 +167,11 @@ class RolloutRecorder:
                 keepalive_seconds=keepalive_seconds,
             )
             self._sequence = self._first_join(connect_timeout)
-            # Chunks of another process's envs (gone): this one's first chunk starts new
-            # episodes. An earlier recorder of this process had the same envs: continued.
+            # Another process's envs are gone: new episodes. This process's: continued.
             here = (os.getpid(), session, self.worker_id)  # any address: a server may move
             self._fresh_start = self._sequence > 0 and here not in _JOINED_HERE
-            _JOINED_HERE.add(here)
+            if worker_id is not None:  # a generated id is never given again
+                _JOINED_HERE.add(here)
             self._sender = ChunkSender(
                 connection=self._connection,
                 join=self._join,
