@@ -226,6 +226,6 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
         raise _refuse(what, f"a tensor on {tensor.device}, and CUDA is not available here")
     try:
         return start_host_copy(tensor, fence=not defer)
-    except (RuntimeError, TypeError) as exc:  # a meta tensor's NotImplementedError too
+    except (RuntimeError, TypeError) as exc:  # a meta tensor's copy, too (a RuntimeError)
         got = f"a tensor on {tensor.device} that cannot be copied to the host ({exc})"
         raise _refuse(what, got) from None
