@@ -169,13 +169,11 @@ def start_host_copy(tensor: Any, fence: bool = True) -> HostCopy:
         return HostCopy(host, None, numpy_dtype(tensor.dtype))
     host.copy_(tensor, non_blocking=True)
     copy = HostCopy(host, _Unfenced(tensor.device), numpy_dtype(tensor.dtype))
+    if STARTED.copies is None:
+        STARTED.copies = []
+    STARTED.copies.append((copy, tensor.device))
     if fence:
-        STARTED.copies = [*(STARTED.copies or ()), (copy, tensor.device)]
         fence_copies()
-    else:
-        if STARTED.copies is None:
-            STARTED.copies = []
-        STARTED.copies.append((copy, tensor.device))
     return copy
 
 
