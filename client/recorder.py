@@ -56,6 +56,14 @@ class RolloutRecorder:
     server takes its episodes call by call as before; sequences, chunk counts and loss
     reports count messages (docs/concepts.md). Never with `max_episodes`.
 
+    `sender="process"`: the stream runs in a child process of its own instead of threads of
+    this one. For a loop busy in Python between calls (a Gymnasium or SB3 loop), whose
+    speed the stream's threads cost in GIL hand-overs: `record()` then checks the chunk and
+    writes it to a pipe, and the child sends it (and what was recorded when this process
+    dies). Device arrays are read in `record()`; errors of earlier chunks are raised by a
+    later call, not handed to `on_error`. Not with `max_episodes`, `on_error` or
+    `on_backpressure="drop"`.
+
     `record_obs=False` leaves a `trajectories` struct's `obs` and `final_obs` unread:
     a struct that carries observations for other uses (purejaxrl's `Transition`) then
     records exactly the fields factoriax's recorder does.
@@ -97,10 +105,12 @@ class RolloutRecorder:
         on_error: Callable[[RecorderError], None] | None = None,
         record_obs: bool = True,
         linger_ms: float = 0.0,
+        sender: str = "thread",
     ) -> None:
         _wire.check_options(
             max_episodes, on_backpressure, keepalive_seconds, max_bytes_in_flight, linger_ms
         )
+        _check_sender(sender, max_episodes, on_error, on_backpressure)
         raise_loss = raises_on_loss(on_data_loss)
         if on_error is not None and not callable(on_error):
             raise ValueError(f"on_error: expected a callable or None, got {on_error!r}")
@@ -127,6 +137,7 @@ class RolloutRecorder:
         # its own reconnect takes the id back; another recorder given the same id is refused.
         self._instance = uuid.uuid4().hex
         self._block = on_backpressure == "block"
+        self._follows = sender == "process"
         self._raise_loss = raise_loss
         self._lock = threading.Lock()
         self._sequence = 0
@@ -172,28 +183,43 @@ class RolloutRecorder:
             self._fresh_start = self._sequence > 0 and here not in _JOINED_HERE
             if worker_id is not None:  # a generated id is never given again
                 _JOINED_HERE.add(here)
-            self._sender = ChunkSender(
-                connection=self._connection,
-                join=self._join,
-                session=session,
-                worker_id=self.worker_id,
-                instance=self._instance,
-                loss=lambda: self._joined.loss if self._joined.HasField("loss") else None,
-                target=target,
-                max_bytes_in_flight=max_bytes_in_flight,
-                compression_level=compression_level,
-                reconnect_timeout=reconnect_timeout,
-                wire=self._wire_options,
-                on_stored=self._stored,
-                on_refused=self._refused,
-                on_error=on_error,
-                raise_data_loss=self._raise_loss,
-                max_episodes=self.max_episodes,
-                linger_s=linger_ms / 1e3,
-                status_call=lambda done: self._connection.call_async(
-                    "GetStatus", pb.StatusRequest(session=session, counters_only=True), done
-                ),
-            )
+            if sender == "process":
+                self._sender = self._process_sender(
+                    token=token,
+                    root_certificates=root_certificates,
+                    client_certificate=client_certificate,
+                    client_key=client_key,
+                    rpc_timeout=rpc_timeout,
+                    connect_timeout=connect_timeout,
+                    keepalive_seconds=keepalive_seconds,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    compression_level=compression_level,
+                    reconnect_timeout=reconnect_timeout,
+                    linger_s=linger_ms / 1e3,
+                )
+            else:
+                self._sender = ChunkSender(
+                    connection=self._connection,
+                    join=self._join,
+                    session=session,
+                    worker_id=self.worker_id,
+                    instance=self._instance,
+                    loss=lambda: self._joined.loss if self._joined.HasField("loss") else None,
+                    target=target,
+                    max_bytes_in_flight=max_bytes_in_flight,
+                    compression_level=compression_level,
+                    reconnect_timeout=reconnect_timeout,
+                    wire=self._wire_options,
+                    on_stored=self._stored,
+                    on_refused=self._refused,
+                    on_error=on_error,
+                    raise_data_loss=self._raise_loss,
+                    max_episodes=self.max_episodes,
+                    linger_s=linger_ms / 1e3,
+                    status_call=lambda done: self._connection.call_async(
+                        "GetStatus", pb.StatusRequest(session=session, counters_only=True), done
+                    ),
+                )
             self._sender.take_counters(self._joined.status, self._sequence)
             self._sender.join_limits(self._joined.max_chunk_bytes, self._joined.max_chunk_env_steps)
         except BaseException:
@@ -232,6 +258,35 @@ class RolloutRecorder:
             sender.take_counters(reply.status, reply.last_sequence)
             sender.join_limits(reply.max_chunk_bytes, reply.max_chunk_env_steps)
         return int(reply.last_sequence)
+
+    def _process_sender(self, **options: Any) -> Any:
+        from ._sender_process import ProcessSender
+
+        connection = {
+            k: options.pop(k)
+            for k in (
+                "token",
+                "root_certificates",
+                "client_certificate",
+                "client_key",
+                "rpc_timeout",
+                "connect_timeout",
+                "keepalive_seconds",
+            )
+        }
+        spec = {
+            "target": self.target,
+            "connection": connection,
+            "session": self.session,
+            "worker_id": self.worker_id,
+            "instance": self._instance,
+            "config": self._config().SerializeToString(),
+            "joined": self._joined.SerializeToString(),
+            "sequence": self._sequence,
+            "raise_data_loss": self._raise_loss,
+            **options,
+        }
+        return ProcessSender(spec, on_stored=self._stored, on_refused=self._refused)
 
     def _first_join(self, timeout: float) -> int:
         # A worker id kept for the reconnect of a holder with no stream open (one that
@@ -289,6 +344,8 @@ class RolloutRecorder:
         chunk was queued: catching the exception never costs a chunk.
         """
         self._check_open()
+        if self._follows:  # the sender process's reports, before this chunk is checked
+            self._sender.follow()
         if self.max_episodes is not None and self._sender.counters()[0]:
             self._sender.stats.chunks_dropped_full += 1
             self._raise_async_errors()
@@ -586,6 +643,22 @@ class RolloutRecorder:
             f"RolloutRecorder(max_episodes={self.max_episodes}, record_states={self.record_states}, "
             f"state_fields={self.state_fields}, target={self.target!r}, session={self.session!r})"
         )
+
+
+def _check_sender(sender: Any, max_episodes: Any, on_error: Any, on_backpressure: str) -> None:
+    if sender not in ("thread", "process"):
+        raise ValueError(f'sender: expected "thread" or "process", got {sender!r}')
+    if sender != "process":
+        return
+    for name, value, wanted, why in (
+        ("max_episodes", max_episodes, None, "is_full is answered from acks this process lacks"),
+        ("on_error", on_error, None, "errors reach this process at its next call"),
+        ("on_backpressure", on_backpressure, "block", "a full pipe to the sender blocks"),
+    ):
+        if value != wanted:
+            raise ValueError(
+                f'{name}: expected {wanted!r} with sender="process" ({why}), got {value!r}'
+            )
 
 
 def _close_quietly(ref: weakref.ref[RolloutRecorder]) -> None:

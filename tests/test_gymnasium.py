@@ -248,9 +248,9 @@ def address(tmp_path_factory):
         proc.stop()
 
 
-def recorded(address, session, envs, drive_it, chunk_steps=64):
+def recorded(address, session, envs, drive_it, chunk_steps=64, sender="thread"):
     """Drive `envs` wrapped in RecordRollouts into a fresh session; finish()."""
-    with RolloutRecorder(target=address, session=session) as recorder:
+    with RolloutRecorder(target=address, session=session, sender=sender) as recorder:
         wrapped = RecordRollouts(envs, recorder, chunk_steps=chunk_steps)
         drive_it(wrapped)
         wrapped.close()
@@ -265,12 +265,14 @@ def vector(kind, make_env, n, mode, **kwargs):
 # -- the tests ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sender", ["thread", "process"])
 @pytest.mark.parametrize("mode", [NEXT, SAME])
-def test_cartpole_sync_8_envs_exact(address, mode):
+def test_cartpole_sync_8_envs_exact(address, mode, sender):
     n, steps = 8, 1500
     actions = sample_actions(gym.spaces.Discrete(2), steps, n)
     envs = vector("sync", make_cartpole, n, mode)
-    traj = recorded(address, f"cartpole-{mode.value}", envs, lambda e: drive(e, 3, actions))
+    session = f"cartpole-{mode.value}-{sender}"
+    traj = recorded(address, session, envs, lambda e: drive(e, 3, actions), sender=sender)
     eps = check(traj, truth(make_cartpole, 3, actions, mode), f"CartPole sync {mode.value}")
     assert len(eps) > 400
 

@@ -1,0 +1,145 @@
+"""`RolloutRecorder(sender="process")`: the stream in a child process records what the
+thread sender records, raises the server's refusals from a later call, sends what a killed
+trainer had recorded, and says so when the child itself dies.
+
+Truth comes from the reference model of the in-process recorder fed the same calls, and
+from the server's own counters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from conftest import wait_for
+from reference_model import ReferenceRecorder
+from test_client_errors import CALLS, refused_later
+from test_linger import T, chunks, record_all
+from test_property_remote import assert_bit_identical
+
+from recorder_client import InvalidChunkError, RecorderError, RolloutRecorder
+
+
+@pytest.mark.parametrize("linger_ms", [0, 500])
+def test_records_exactly_what_the_in_process_recorder_records(target, linger_ms):
+    calls = chunks(30, seed=7)
+    config = {"record_states": True, "state_fields": ["player_positions"]}
+    ref = ReferenceRecorder(**config)
+    session = f"process-{linger_ms}"
+    with RolloutRecorder(
+        **config, target=target, session=session, sender="process", linger_ms=linger_ms
+    ) as rec:
+        record_all(rec, ref, calls)
+        assert rec.num_recorded_steps == ref.num_recorded_steps == 30 * T
+        rec.flush()
+        assert rec.bytes_in_flight == 0
+        stats = rec.stats
+        assert stats.raw_bytes == sum(
+            a.nbytes for traj, states in calls for a in (*traj.values(), *states.values())
+        )
+        assert stats.chunks_acked + stats.chunks_joined == 30, stats
+        assert rec.status().num_recorded_steps == 30 * T
+        assert_bit_identical(rec.finish(), ref.finish())
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_late_refusal_is_raised_by_the_next_call(target, call):
+    a, b = refused_later(target, f"process-late-{call}", sender="process")
+    try:
+        with pytest.raises(InvalidChunkError, match="action.dtype: expected int32.*got int64"):
+            CALLS[call](b)
+        if call != "close":  # once per error: the call after it goes through
+            assert b.num_recorded_steps >= 4
+            b.flush()
+        b.close()
+        assert a.status().num_recorded_steps == (8 if call == "record" else 4)
+    finally:
+        b.close()
+        a.close()
+
+
+def test_the_child_sends_what_a_killed_trainer_recorded(target, tmp_path):
+    """kill -9 of the training process right after its record() calls: the child still
+    sends every chunk, and exits."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        import numpy as np
+        from recorder_client import RolloutRecorder
+        rec = RolloutRecorder(target={target!r}, session="orphaned", sender="process")
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            rec.record({{
+                "action": rng.integers(0, 5, (64, 16)).astype(np.int32),
+                "reward": rng.standard_normal((64, 16)).astype(np.float32),
+                "done": rng.random((64, 16)) < 0.02,
+            }})
+        print(rec._sender._proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    child = int(proc.stdout.split()[0])
+    with RolloutRecorder(target=target, session="orphaned") as probe:
+        assert wait_for(lambda: probe.status().num_recorded_steps == 40 * 64, timeout=30)
+    assert wait_for(lambda: not _alive(child), timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has exited
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_killed_sender_process_is_raised_by_the_next_call(target):
+    traj, _ = chunks(1)[0]
+    rec = RolloutRecorder(target=target, session="child-killed", sender="process")
+    try:
+        rec.record(traj)
+        rec.flush()
+        os.kill(rec._sender._proc.pid, signal.SIGKILL)
+        rec._sender._proc.wait(10)
+        with pytest.raises(RecorderError, match=r"sender process exited .* after 1 acknowledged"):
+            rec.record(traj)
+        with pytest.raises(RecorderError, match="sender process exited"):
+            rec.flush()
+    finally:
+        rec.close()
+        assert rec.stats.chunks_acked == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sender": "processes"}, 'sender: expected "thread" or "process", got \'processes\''),
+        ({"max_episodes": 5}, 'max_episodes: expected None with sender="process"'),
+        ({"on_error": print}, 'on_error: expected None with sender="process"'),
+        ({"on_backpressure": "drop"}, "on_backpressure: expected 'block' with"),
+    ],
+)
+def test_options_the_process_sender_cannot_keep_are_refused(target, kwargs, match):
+    kwargs = {"sender": "process", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        RolloutRecorder(target=target, session="refused-options", **kwargs)
+
+
+def test_device_free_torch_tensors_cross_to_the_child(target):
+    torch = pytest.importorskip("torch")
+    calls = chunks(4, seed=11)
+    ref = ReferenceRecorder()
+    with RolloutRecorder(target=target, session="process-torch", sender="process") as rec:
+        for traj, _ in calls:
+            rec.record({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in traj.items()})
+            ref.record(traj)
+        assert_bit_identical(rec.finish(), ref.finish())
