@@ -1,13 +1,19 @@
 """What recording costs a Gymnasium loop: the `gym_record_rollouts` scenario.
 
 CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
-the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a local
-server (at the default 128 steps a `record()`, and at 512), side by side: the three take
-turns in short rounds (each first in turn), so that all see the same background load. Each
-arm steps one env (and one wrapper and recorder) for the whole run, as a training loop does;
-a wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
-wrapper still holds go in its next round). The row is env steps per second (vector steps x
-8), wrapped against bare; the target reads the median of the rounds' ratios.
+the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a
+local server (at the default 128 steps a `record()`, at 512, with `linger_ms=50`, and with
+the stream in a process of its own, `sender="process"`), side by side: the five take turns
+in short rounds (each first in turn), so that all see the same background load. Each arm
+steps one env (and one wrapper and recorder) for the whole run, as a training loop does. A
+wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
+wrapper still holds go in its next round). The server runs with `--wal-fsync never`: with
+batch fsync an ack waits up to `--wal-batch-ms` (50 ms) for the log's fsync, a wait a
+training loop never makes but that a 90 ms round's clock would count. Before each round
+every recorder is flushed and the process rests 60 ms (outside the clocks), so that no arm's
+background work (acks, a sender thread's polling) lands in the next arm's round. The row is
+env steps per second (vector steps x 8), wrapped against bare; the target reads the median
+of the rounds' ratios of the `sender="process"` arm.
 
 gymnasium comes with the dev extra (the tests run it); without it the scenario is skipped.
 """
@@ -22,6 +28,8 @@ import numpy as np
 from harness import Context, Row, Skipped
 
 NUM_ENVS = 8
+# Longer than a sender thread polls after its last chunk (recorder_client._poll.POLL_QUIET_S).
+REST_S = 0.06
 
 
 def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
@@ -34,7 +42,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
 
     # Short rounds in many pairs: a pair sees nearly the same load, and the median of the
     # pairs' ratios drops the pairs a load swing split.
-    rounds, steps = (6, 1000) if ctx.quick else (30, 1200)
+    rounds, steps = (6, 1000) if ctx.quick else (24, 2400)
     actions = np.random.default_rng(0).integers(0, 2, (steps, NUM_ENVS))
 
     def make() -> Any:
@@ -43,6 +51,9 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     def timed(envs: Any, recorder: Any) -> tuple[float, float, float]:
         """Env steps per second of wall time, per second of this process's CPU time (every
         thread: the recorder's sender too), and per second of the loop thread's CPU time."""
+        for other in recorders:  # every arm's background work done before the clock starts
+            other.flush()
+        time.sleep(REST_S)
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         for action in actions:
             envs.step(action)
@@ -52,7 +63,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         return n / wall, n / cpu, n / (time.thread_time() - m0)
 
-    server = ctx.server("gym_record_rollouts")
+    server = ctx.server("gym_record_rollouts", ("--wal-fsync", "never"))
     recorders: list[Any] = []
     arms: dict[str, tuple[Any, Any]] = {}
     try:
@@ -69,6 +80,8 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
         arms["wrapped_512"] = wrapped("gym-wrapper-512", 512)
         # Small chunks linger 50 ms and join (linger_ms, off by default).
         arms["wrapped_linger"] = wrapped("gym-linger", linger_ms=50)
+        # The stream in a process of its own: no thread of the loop's process takes the GIL.
+        arms["wrapped_process"] = wrapped("gym-process", sender="process")
         for envs, recorder in arms.values():  # warm up: connections, the first layouts
             envs.reset(seed=0)
             timed(envs, recorder)
@@ -109,6 +122,13 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
             "cpu_ratio": ratio(runs["wrapped_512"], 1),
             "loop_thread_cpu_ratio": ratio(runs["wrapped_512"], 2),
         },
+        # The same wrapper, its recorder made with sender="process".
+        "process": {
+            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_process"]),
+            "ratio": ratio(runs["wrapped_process"], 0),
+            "cpu_ratio": ratio(runs["wrapped_process"], 1),
+            "loop_thread_cpu_ratio": ratio(runs["wrapped_process"], 2),
+        },
         # The same wrapper, its recorder made with linger_ms=50.
         "linger": {
             "env_steps_s": statistics.median(w[0] for w in runs["wrapped_linger"]),
@@ -137,12 +157,17 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
             if "linger" in r
             else []
         ),
+        *(
+            [(', recorder with sender="process"', r["process"], r["process"]["env_steps_s"])]
+            if "process" in r
+            else []
+        ),
     ):
         rows.append(
             Row(
                 "Gymnasium",
                 f"RecordRollouts on CartPole, {r['num_envs']} SyncVectorEnv envs{label}: env "
-                f"steps/s recording to a local server (median of {r['rounds']} rounds' ratio "
+                f"steps/s recording to a local server (--wal-fsync never; median of {r['rounds']} rounds' ratio "
                 f"{res['ratio']:.3f}; per CPU second {res['cpu_ratio']:.3f}, of the loop's "
                 f"thread {res['loop_thread_cpu_ratio']:.3f})",
                 wrapped,

@@ -4,9 +4,10 @@
   chunk, each array as `torch.from_numpy`) against the same chunk as numpy arrays. Two
   recorders of one local server take turns call by call, so both see the same load.
 - `sb3_ppo`: SB3 PPO training on CartPole (8 DummyVecEnv envs) with `RecorderCallback`
-  recording into a local server, against the same training without it. Two models of the
+  recording into a local server (on a recorder with the default sender threads, and on one
+  with `sender="process"`), against the same training without it. Three models of the
   same seed learn in alternating turns of two rollouts (`learn(..., reset_num_timesteps=
-  False)`), in ABBA order, until each side trained about 10 s; each side's time is summed,
+  False)`), in ABC CBA order, until each side trained about 10 s; each side's time is summed,
   so a drift of the machine's load falls on both. torch computes on one thread: its thread
   pool's spinning on an oversubscribed machine swung the rate 20-fold between runs.
 
@@ -121,7 +122,13 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {"torch_version": torch.__version__}
     try:
         recorder = RolloutRecorder(target=server.address, session="sb3-ppo")
-        callbacks = {"without": None, "with_callback": RecorderCallback(recorder)}
+        # The same callback on a recorder whose stream runs in a process of its own.
+        in_process = RolloutRecorder(target=server.address, session="sb3-ppo-p", sender="process")
+        callbacks = {
+            "without": None,
+            "with_callback": RecorderCallback(recorder),
+            "with_process_sender": RecorderCallback(in_process),
+        }
         models = {
             name: PPO(
                 "MlpPolicy",
@@ -141,7 +148,7 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
             model.learn(segment, callback=callbacks[name])
         rounds = 0
         while rounds < MIN_ROUNDS or (min(seconds.values()) < budget_s and rounds < MAX_ROUNDS):
-            # ABBA: a drift of the machine's load within a round falls on both sides.
+            # ABC CBA: a drift of the machine's load within a round falls on every side.
             order = list(models) if rounds % 2 == 0 else list(reversed(models))
             for name in order:
                 t0 = time.perf_counter()
@@ -150,6 +157,7 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
             rounds += 1
         torch.set_num_threads(threads)
         recorder.flush()
+        in_process.flush()
         steps = segment * rounds
         for name in models:
             out[name] = {
@@ -159,7 +167,9 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
             }
         out["rounds"] = rounds
         out["recorded_env_steps"] = recorder.num_recorded_steps * num_envs
+        out["recorded_env_steps_process"] = in_process.num_recorded_steps * num_envs
         recorder.close()
+        in_process.close()
     finally:
         server.stop()
     return out
@@ -169,17 +179,22 @@ def rows_sb3_ppo(results: dict[str, dict[str, Any]]) -> list[Row]:
     r = results.get("sb3_ppo")
     if not r:
         return []
-    ours, ref = r["with_callback"], r["without"]
+    ref = r["without"]
     return [
         Row(
             "producers",
-            f"SB3 PPO on CartPole, 8 envs: training steps/s with RecorderCallback "
-            f"({ours['steps']} steps a side, in alternating turns)",
-            ours["steps_per_s"],
+            f"SB3 PPO on CartPole, 8 envs: training steps/s with RecorderCallback{label} "
+            f"({r[arm]['steps']} steps a side, in alternating turns)",
+            r[arm]["steps_per_s"],
             ref["steps_per_s"],
             "the same training without it",
             "steps/s",
             "higher",
             digits=0,
         )
+        for arm, label in (
+            ("with_callback", ""),
+            ("with_process_sender", ' on a recorder with sender="process"'),
+        )
+        if arm in r
     ]

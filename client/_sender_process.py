@@ -16,10 +16,12 @@ The child outlives a training process that dies: it sends what it was given (ret
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -101,7 +103,8 @@ class ProcessSender:
         finally:
             os.close(fd)
         self._slots = np.frombuffer(self._shared, dtype=np.int64)
-        spec = {**spec, "shared": path}
+        level = logging.getLogger("recorder_client").getEffectiveLevel()
+        spec = {**spec, "shared": path, "log_level": level}
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "recorder_client._sender_process"],
@@ -480,8 +483,8 @@ class _Child:
             elif kind == "counters":
                 self.sender.take_counters(self.pb.StatusReply.FromString(frame[1]), self.sequence)
                 self.publish()
-            elif kind == "close":
-                self.finish(None)
+            elif kind == "close":  # after the parent's flush: what is left gets 10 s, as threads
+                self.finish(10.0)
                 self.write(("closed",))
                 return
 
@@ -545,10 +548,14 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def main() -> None:
+    # Ctrl-C reaches the whole process group: the training process's close() sends what
+    # is left, which this process must still be there to send.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.dup(1)  # frames only: anything printed goes to stderr
     os.dup2(2, 1)
     _grow_pipe(out)
     spec = _read_frame(0)
+    logging.basicConfig(level=spec["log_level"], format="%(name)s (sender process): %(message)s")
     try:
         child = _Child(spec, out)
     except BaseException as exc:  # the parent raises it from RolloutRecorder()

@@ -86,7 +86,7 @@ torch.backends.cudnn.deterministic = True
 device = torch.device("cpu")
 
 envs = gym.vector.SyncVectorEnv([make_env(args.env_id) for _ in range(args.num_envs)])
-recorder = RolloutRecorder(target=args.target, session="cleanrl-ppo")  # recorder
+recorder = RolloutRecorder(target=args.target, session="cleanrl-ppo", sender="process")  # recorder
 envs = RecordRollouts(envs, recorder)  # recorder: every step, next-step autoreset handled
 agent = Agent(envs).to(device)
 optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)

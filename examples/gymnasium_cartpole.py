@@ -3,7 +3,7 @@ import gymnasium as gym
 from recorder_client import RolloutRecorder
 from recorder_client.gymnasium import RecordRollouts
 
-with RolloutRecorder() as recorder:  # no target: a private local server
+with RolloutRecorder(sender="process") as recorder:  # no target: a private local server
     envs = RecordRollouts(gym.make_vec("CartPole-v1", 8, vectorization_mode="sync"), recorder)
     envs.reset(seed=0)
     envs.action_space.seed(0)

@@ -13,7 +13,7 @@ from stable_baselines3.common.env_util import make_vec_env
 from recorder_client.sb3 import RecorderCallback
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
-callback = RecorderCallback(session="sb3-ppo")
+callback = RecorderCallback(session="sb3-ppo", sender="process")
 model = PPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=8, seed=0), n_steps=128, seed=0)
 model.learn(total_timesteps=steps, callback=callback)
 

@@ -143,3 +143,18 @@ def test_device_free_torch_tensors_cross_to_the_child(target):
             rec.record({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in traj.items()})
             ref.record(traj)
         assert_bit_identical(rec.finish(), ref.finish())
+
+
+def test_ctrl_c_leaves_the_sender_process_to_send_what_close_flushes(target):
+    """SIGINT reaches a terminal's whole process group: the child must outlive it, so that
+    the training process's close() still sends the chunks recorded."""
+    calls = chunks(6, seed=5)
+    rec = RolloutRecorder(target=target, session="ctrl-c", sender="process")
+    try:
+        os.kill(rec._sender._proc.pid, signal.SIGINT)
+        for traj, _ in calls:
+            rec.record(traj)
+    finally:
+        rec.close()
+    with RolloutRecorder(target=target, session="ctrl-c") as probe:
+        assert probe.status().num_recorded_steps == 6 * T
