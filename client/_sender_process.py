@@ -155,7 +155,10 @@ class ProcessSender:
                 select.select([], [self._w], [], 0.05)
 
     def _died(self) -> None:
-        code = self._proc.poll()
+        try:
+            code: int | None = self._proc.wait(1)
+        except subprocess.TimeoutExpired:
+            code = None
         acked = int(self._slots[_AT["chunks_acked"]])
         error = RecorderError(
             f"the recorder's sender process exited (code {code}) after {acked} acknowledged "
@@ -357,6 +360,7 @@ class _Child:
         self.stored = self.refused = 0
         self.received_steps = self.received_bytes = 0
         self.frames = 0
+        self.orphaned = False
         self.joined = pb.JoinReply.FromString(spec["joined"])
         self.sequence = spec["sequence"]
         self.connection = Connection(spec["target"], **spec["connection"])
@@ -420,7 +424,13 @@ class _Child:
                 self._write(frame)
 
     def _write(self, frame: Any) -> None:
-        _write_all(self.out, _frame(frame))
+        if self.orphaned:
+            return
+        try:
+            _write_all(self.out, _frame(frame))
+        except BrokenPipeError:  # the training process is gone; its chunks are still sent
+            self.orphaned = True
+            return
         self.frames += 1  # after the frame: the parent reads only frames whole
         self.publish()
 
