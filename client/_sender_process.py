@@ -44,7 +44,10 @@ _SLOTS = (
 ).split()
 _AT = {name: i for i, name in enumerate(_SLOTS)}
 _SIZE = 8 * len(_SLOTS)
-_HEADER = struct.Struct("<Q")  # a frame's length, then its pickle
+# A frame: its pickle's length and its out-of-band buffers' count, their lengths, the
+# pickle, the buffers (arrays go to the pipe from their own memory, not copied into a pickle).
+_HEADER = struct.Struct("<QI")
+_LENGTH = struct.Struct("<Q")
 _PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031  # Linux
 
@@ -56,9 +59,13 @@ def _grow_pipe(fd: int) -> None:
         pass
 
 
-def _frame(obj: Any) -> bytes:
-    data = pickle.dumps(obj, protocol=5)
-    return _HEADER.pack(len(data)) + data
+def _frame(obj: Any) -> list[Any]:
+    """The frame of `obj` as the parts to write, in order."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    head = _HEADER.pack(len(data), len(raws)) + b"".join(_LENGTH.pack(r.nbytes) for r in raws)
+    return [head, data, *raws]
 
 
 def _read_exactly(fd: int, n: int) -> bytes | None:
@@ -75,10 +82,20 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
 def _read_frame(fd: int) -> Any:
     """The next frame from a blocking fd; EOFError when the writer is gone."""
     head = _read_exactly(fd, _HEADER.size)
-    body = None if head is None else _read_exactly(fd, _HEADER.unpack(head)[0])
-    if body is None:
+    if head is None:
         raise EOFError
-    return pickle.loads(body)
+    size, count = _HEADER.unpack(head)
+    lengths = _read_exactly(fd, _LENGTH.size * count) if count else b""
+    data = _read_exactly(fd, size)
+    if lengths is None or data is None:
+        raise EOFError
+    buffers = []
+    for (length,) in _LENGTH.iter_unpack(lengths):
+        buffer = _read_exactly(fd, length) if length else b""
+        if buffer is None:
+            raise EOFError
+        buffers.append(buffer)
+    return pickle.loads(data, buffers=buffers)
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -142,7 +159,18 @@ class ProcessSender:
 
     # -- writing ---------------------------------------------------------
     def _send_blocking(self, obj: Any) -> None:
-        data = memoryview(_frame(obj))
+        parts = _frame(obj)
+        data: Any = None
+        try:
+            written = os.writev(self._w, parts)
+        except BlockingIOError:
+            written = 0
+        except BrokenPipeError:
+            self._died()
+        if written < sum(memoryview(p).nbytes for p in parts):  # the pipe filled: the rest
+            data = memoryview(b"".join(parts))[written:]
+            self._read_ready()
+            select.select([], [self._w], [], 0.05)
         while data:
             try:
                 data = data[os.write(self._w, data) :]
@@ -246,7 +274,13 @@ class ProcessSender:
 
     def submit(self, item: PendingChunk, *, block: bool) -> bool:
         self._raise_fatal()
-        arrays = {k: _to_host(v) for k, v in (item.arrays or {}).items()}
+        # Each array as (name, dtype, shape) and its memory, sent out of band: no pickling of
+        # numpy objects on the training loop's thread.
+        layout, memory = [], []
+        for name, value in (item.arrays or {}).items():
+            array = np.ascontiguousarray(_to_host(value))
+            layout.append((name, array.dtype.str, array.shape))
+            memory.append(pickle.PickleBuffer(array) if array.size else b"")
         header = (
             "chunk",
             item.raw_bytes,
@@ -255,8 +289,8 @@ class ProcessSender:
             item.dones,
             item.cut_before,
             item.fresh_start,
-            item.signature,
-            arrays,
+            layout,
+            memory,
         )
         with self._lock:
             self._follow()
@@ -288,9 +322,7 @@ class ProcessSender:
             self._unseen = self._fatal is not None and not self.fatal_reported
             return errors
 
-    def _raise_fatal(self) -> None:
-        if self._fatal is None and self._proc.poll() is not None:
-            self._died()
+    def _raise_fatal(self) -> None:  # a dead child: the next write finds its pipe broken
         if self._fatal is not None:
             self.fatal_reported = True
             raise self._fatal
@@ -498,7 +530,11 @@ class _Child:
                 self.write(("closed",))
                 return
 
-    def chunk(self, raw, length, envs, dones, cut, fresh, signature, arrays) -> None:
+    def chunk(self, raw, length, envs, dones, cut, fresh, layout, memory) -> None:
+        arrays = {
+            name: np.frombuffer(buffer, dtype).reshape(shape)
+            for (name, dtype, shape), buffer in zip(layout, memory)
+        }
         item = PendingChunk(
             self.sequence + 1,
             raw,
@@ -509,7 +545,8 @@ class _Child:
             cut_before=cut,
             fresh_start=fresh,
         )
-        item.signature = signature
+        # Which chunks may join one message (linger_ms): those of one layout.
+        item.signature = tuple((name, shape[1:], dtype) for name, dtype, shape in layout)
         try:
             self.sender.submit(item, block=True)
         except RecorderError as exc:  # the stream failed: the parent raises it from now on
@@ -551,8 +588,8 @@ class _Child:
             self.connection.close()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, parts: list[Any]) -> None:
+    view = memoryview(b"".join(parts))
     while view:
         view = view[os.write(fd, view) :]
 
