@@ -166,17 +166,17 @@ class RolloutRecorder:
             self._embedded = EmbeddedServer()
             target = self._embedded.address
         self.target = target
+        connection = {
+            "token": token,
+            "root_certificates": root_certificates,
+            "client_certificate": client_certificate,
+            "client_key": client_key,
+            "rpc_timeout": rpc_timeout,
+            "connect_timeout": connect_timeout,
+            "keepalive_seconds": keepalive_seconds,
+        }
         try:
-            self._connection = Connection(
-                target,
-                token=token,
-                root_certificates=root_certificates,
-                client_certificate=client_certificate,
-                client_key=client_key,
-                rpc_timeout=rpc_timeout,
-                connect_timeout=connect_timeout,
-                keepalive_seconds=keepalive_seconds,
-            )
+            self._connection = Connection(target, **connection)
             self._sequence = self._first_join(connect_timeout)
             # Another process's envs are gone: new episodes. This process's: continued.
             here = (os.getpid(), session, self.worker_id)  # any address: a server may move
@@ -185,13 +185,7 @@ class RolloutRecorder:
                 _JOINED_HERE.add(here)
             if sender == "process":
                 self._sender = self._process_sender(
-                    token=token,
-                    root_certificates=root_certificates,
-                    client_certificate=client_certificate,
-                    client_key=client_key,
-                    rpc_timeout=rpc_timeout,
-                    connect_timeout=connect_timeout,
-                    keepalive_seconds=keepalive_seconds,
+                    connection=connection,
                     max_bytes_in_flight=max_bytes_in_flight,
                     compression_level=compression_level,
                     reconnect_timeout=reconnect_timeout,
@@ -262,21 +256,8 @@ class RolloutRecorder:
     def _process_sender(self, **options: Any) -> Any:
         from ._sender_process import ProcessSender
 
-        connection = {
-            k: options.pop(k)
-            for k in (
-                "token",
-                "root_certificates",
-                "client_certificate",
-                "client_key",
-                "rpc_timeout",
-                "connect_timeout",
-                "keepalive_seconds",
-            )
-        }
         spec = {
             "target": self.target,
-            "connection": connection,
             "session": self.session,
             "worker_id": self.worker_id,
             "instance": self._instance,

@@ -160,9 +160,10 @@ CALLS = {
 }
 
 
+@pytest.mark.parametrize("sender", ["thread", "process"])
 @pytest.mark.parametrize("call", sorted(CALLS))
-def test_late_refusal_is_raised_by_the_next_call(target, call):
-    a, b = refused_later(target, f"late-{call}")
+def test_late_refusal_is_raised_by_the_next_call(target, call, sender):
+    a, b = refused_later(target, f"late-{call}-{sender}", sender=sender)
     try:
         with pytest.raises(InvalidChunkError, match="action.dtype: expected int32.*got int64"):
             CALLS[call](b)
