@@ -169,6 +169,12 @@ class Connection:
         self._channel.close()
 
 
+def wire_options(joined: Any) -> tuple[bool, int]:
+    """What the server of a JoinReply takes: packed codecs, and requests up to its gRPC cap."""
+    cap = joined.max_message_bytes
+    return joined.packed_codecs, min(cap, MESSAGE_CAP) if cap else MESSAGE_CAP
+
+
 def _waitable(err: grpc.RpcError) -> bool:
     """Whether a failed call is one to make again once the server is back: unavailable, and
     not a server that closes the connection's set-up (TLS on one side only)."""

@@ -423,10 +423,9 @@ class _Child:
         self.sender.join_limits(self.joined.max_chunk_bytes, self.joined.max_chunk_env_steps)
 
     def wire(self) -> tuple[bool, int]:
-        from ._connection import MESSAGE_CAP
+        from ._connection import wire_options
 
-        cap = self.joined.max_message_bytes
-        return self.joined.packed_codecs, min(cap, MESSAGE_CAP) if cap else MESSAGE_CAP
+        return wire_options(self.joined)
 
     def join(self, acked: int = 0) -> int:
         pb = self.pb

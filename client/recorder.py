@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _checks, _chunk, _wire
 from ._chunk import take as _take
-from ._connection import MESSAGE_CAP, Connection
+from ._connection import Connection, wire_options
 from ._credentials import PemSource
 from ._finish import assemble as _assemble
 from ._finish import checked, raises_on_loss
@@ -442,9 +442,7 @@ class RolloutRecorder:
         return raw, self._layout
 
     def _wire_options(self) -> tuple[bool, int]:
-        # What the server last joined takes: packed codecs, and requests up to its gRPC cap.
-        cap = self._joined.max_message_bytes
-        return self._joined.packed_codecs, min(cap, MESSAGE_CAP) if cap else MESSAGE_CAP
+        return wire_options(self._joined)  # the server last joined
 
     def _stored(self, item: PendingChunk) -> None:
         # The sender thread: the server stored a chunk of this layout.
