@@ -2,7 +2,11 @@
 
 - `latency_torch`: record() caller latency with a chunk of torch CPU tensors (the bench's
   chunk, each array as `torch.from_numpy`) against the same chunk as numpy arrays. Two
-  recorders of one local server take turns call by call, so both see the same load.
+  recorders of one local server take turns call by call, so both see the same load, in
+  AB BA order (neither kind always follows the other). TORCH_CALLS calls a side, not the
+  other latency rows' 200: the p99 of 200 calls is their second and third slowest, and
+  whether a garbage collection (40-150 us, about one in 170 calls of this loop) fell among
+  those decided the ratio, 1.0x to 4.8x between runs of one build.
 - `sb3_ppo`: SB3 PPO training on CartPole (8 DummyVecEnv envs) with `RecorderCallback`
   recording into a local server (on a recorder with the default sender threads, and on one
   with `sender="process"`), against the same training without it. Three models of the
@@ -24,6 +28,7 @@ from harness import Context, Row, Skipped, latency_summary
 
 WARMUP_CALLS = 3
 MIN_ROUNDS, MAX_ROUNDS = 4, 200
+TORCH_CALLS = 1000  # a side (quick: the bench's latency_calls)
 
 
 def run_latency_torch(ctx: Context, rep: int = 0) -> dict[str, Any]:
@@ -40,7 +45,7 @@ def run_latency_torch(ctx: Context, rep: int = 0) -> dict[str, Any]:
         tuple({k: torch.from_numpy(v) for k, v in d.items()} for d in chunk)
         for chunk in numpy_chunks
     ]
-    calls = p.latency_calls
+    calls = p.latency_calls if ctx.quick else TORCH_CALLS
     chunk_bytes = pool[0].raw_bytes
     uncapped = max(1 << 30, int(chunk_bytes * (calls + 8) * 1.1))
     server = ctx.server("latency_torch")
@@ -67,7 +72,7 @@ def run_latency_torch(ctx: Context, rep: int = 0) -> dict[str, Any]:
             if i == WARMUP_CALLS:
                 for rec in recorders.values():
                     rec.flush()
-            for name, rec in recorders.items():
+            for name, rec in recorders.items() if i % 2 == 0 else reversed(recorders.items()):
                 traj, states = sources[name][i % len(pool)]
                 t0 = time.perf_counter_ns()
                 rec.record(traj, states)
@@ -93,7 +98,7 @@ def rows_latency_torch(results: dict[str, dict[str, Any]]) -> list[Row]:
         Row(
             "record() latency",
             f"record() {stat}, torch CPU tensor input, back-to-back, {mb:.2f} MB chunk "
-            f"(n={ours['n']}, turns with the numpy calls)",
+            f"(n={ours['n']}, in AB BA turns with the numpy calls)",
             ours[f"{stat}_us"],
             ref[f"{stat}_us"],
             "same chunk, numpy arrays",
