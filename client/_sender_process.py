@@ -40,7 +40,7 @@ from .errors import RecorderError
 _SLOTS = (
     "lock chunks_sent chunks_acked chunks_dropped_full raw_bytes wire_bytes reconnects "
     "sequences_lost chunks_joined frames is_full steps received_steps received_bytes "
-    "in_flight stored refused"
+    "in_flight stored refused received_chunks unanswered"
 ).split()
 _AT = {name: i for i, name in enumerate(_SLOTS)}
 _SIZE = 8 * len(_SLOTS)
@@ -144,7 +144,7 @@ class ProcessSender:
         self._frames_read = 0
         self._last_schema: Any = None
         self._stored_seen = self._refused_seen = 0
-        self._sent_steps = self._sent_bytes = 0
+        self._sent_steps = self._sent_bytes = self._sent_chunks = 0
         self._replies: list[Any] = []
         self._closed = False
         self.stats = SenderStats()
@@ -297,12 +297,17 @@ class ProcessSender:
             self._send_blocking(header)
             self._sent_steps += item.length
             self._sent_bytes += item.raw_bytes
+            self._sent_chunks += 1
             self._last_schema = item.schema
         return True
 
     def flush(self, timeout: float | None = None) -> None:
         with self._lock:
             self._raise_fatal()
+            if self._answered():  # no round trip to the child (each learn() ends in a flush)
+                self._follow()
+                self._raise_fatal()
+                return
             self._send_blocking(("flush", timeout))
             _, error, kind = self._reply("flushed", timeout)
             self._follow()
@@ -311,6 +316,15 @@ class ProcessSender:
         if kind in ("timeout", "exhausted"):
             raise error
         self._raise_fatal()  # refusals: raised by the recorder from take_errors()
+
+    def _answered(self) -> bool:
+        """Whether the child took every chunk sent and holds none unanswered (nor an error
+        it has yet to write: its reports come before the count that shows them answered)."""
+        view = self._view()
+        return (
+            int(view[_AT["received_chunks"]]) == self._sent_chunks
+            and int(view[_AT["unanswered"]]) == 0
+        )
 
     def take_errors(self) -> list[RecorderError]:
         with self._lock:
@@ -390,7 +404,7 @@ class _Child:
         self.spec = spec
         self.out = out
         self.stored = self.refused = 0
-        self.received_steps = self.received_bytes = 0
+        self.received_steps = self.received_bytes = self.received_chunks = 0
         self.frames = 0
         self.orphaned = False
         self.joined = pb.JoinReply.FromString(spec["joined"])
@@ -491,6 +505,10 @@ class _Child:
             sender.bytes_in_flight,
             self.stored,
             self.refused,
+            self.received_chunks,
+            # Queued, unacknowledged, or an error not yet handed to on_error (a refusal
+            # arrives with an ack: its frame is written after this count drops).
+            len(sender._to_send) + len(sender._unacked) + len(sender._outbox),
         )
         s[0] += 1
         s[1:] = values
@@ -557,6 +575,7 @@ class _Child:
         with self.sender._cond:  # the counters and what is received change together
             self.received_steps += length
             self.received_bytes += raw
+            self.received_chunks += 1
             self.publish()
 
     def flush(self, timeout: float | None) -> tuple[BaseException | None, str | None]:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -100,6 +101,29 @@ def test_a_killed_sender_process_is_raised_by_the_next_call(target):
     finally:
         rec.close()
         assert rec.stats.chunks_acked == 1
+
+
+def test_a_flush_with_every_chunk_answered_needs_no_word_from_the_child(target):
+    """flush() once the server answered every chunk returns from the shared counters,
+    without a round trip to the child: it returns while the child is stopped (SIGSTOP).
+    A chunk the child has not taken makes the next flush wait for the child again."""
+    calls = chunks(3, seed=3)
+    with RolloutRecorder(target=target, session="answered", sender="process") as rec:
+        for traj, states in calls:
+            rec.record(traj, states)
+        rec.flush()
+        pid = rec._sender._proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            rec.flush(timeout=5)
+            assert time.monotonic() - started < 1
+            rec.record(*calls[0])
+            assert not rec._sender._answered()  # still in the pipe: this flush asks the child
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        rec.flush()
+        assert rec.status().num_recorded_steps == 4 * T
 
 
 @pytest.mark.parametrize(
