@@ -147,13 +147,17 @@ class RecorderCallback(BaseCallback):
         if action is None:
             action = local["actions"]
         obs, dones = self.model._last_obs, local["dones"]
-        reward = np.asarray(local["rewards"])
-        if self._buffers is None:
-            self._buffers = self._allocate(obs, np.asarray(action), reward)
         buffers, row = self._buffers, self._row
-        _put(buffers["obs"], row, obs)
+        if buffers is None:
+            reward = np.asarray(local["rewards"])
+            buffers = self._buffers = self._allocate(obs, np.asarray(action), reward)
+        observations = buffers["obs"]
+        if type(observations) is np.ndarray:  # not a Dict space's buffers: no call (cold)
+            observations[row] = obs
+        else:
+            _put(observations, row, obs)
         buffers["action"][row] = action
-        buffers["reward"][row] = reward  # a copy: PPO adds its bootstrap to `rewards` later
+        buffers["reward"][row] = local["rewards"]  # a copy: PPO bootstraps `rewards` later
         # Rows start all False: only the envs a step ended are written (most steps end none,
         # and finding which costs the training loop ~4 us a step).
         if np.count_nonzero(dones):
@@ -168,10 +172,11 @@ class RecorderCallback(BaseCallback):
     @staticmethod
     def _ended(buffers: dict[str, Any], row: int, dones: np.ndarray, infos: list) -> None:
         terminated, truncated = buffers["terminated"][row], buffers["truncated"][row]
-        for env in np.flatnonzero(dones):
+        terminated[:] = dones  # then each cut by the time limit moves to truncated
+        for env in np.flatnonzero(dones).tolist():
             info = infos[env]
-            cut = bool(info.get("TimeLimit.truncated", False))
-            truncated[env], terminated[env] = cut, not cut
+            if info.get("TimeLimit.truncated", False):
+                truncated[env], terminated[env] = True, False
             final = info.get("terminal_observation")
             if final is None:  # zeros would pass for the final observation
                 raise RecorderError(
