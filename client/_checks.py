@@ -207,20 +207,22 @@ def check_flags(
         return None
     if not done.shape[0]:
         return open_empty
-    if not valid.all():
-        cell = _wire.flag_on_invalid_row(valid, done)
-        if cell is not None:
-            row, env = cell
-            raise InvalidChunkError(
-                f"trajectories.valid: expected no done, terminated or truncated flag on a "
-                f"row marked False, got one at row {row}, env {env}"
-            )
-        cell = _wire.invalid_row_in_episode(valid, done, open_empty)
-        if cell is not None:
-            row, env = cell
-            raise InvalidChunkError(
-                f"trajectories.valid: expected True at row {row}, env {env}, got False: a "
-                "row outside every episode may only stand where the env's open episode has "
-                "no step yet (its first row, right after a done, or after another False row)"
-            )
-    return done[-1] | ~valid[-1]
+    if valid.all():
+        return done[-1].copy()
+    invalid = ~valid  # made once: the rules below and the open episodes all read it
+    cell = _wire.flag_on_invalid_row(valid, done, invalid)
+    if cell is not None:
+        row, env = cell
+        raise InvalidChunkError(
+            f"trajectories.valid: expected no done, terminated or truncated flag on a "
+            f"row marked False, got one at row {row}, env {env}"
+        )
+    cell = _wire.invalid_row_in_episode(valid, done, open_empty, invalid)
+    if cell is not None:
+        row, env = cell
+        raise InvalidChunkError(
+            f"trajectories.valid: expected True at row {row}, env {env}, got False: a "
+            "row outside every episode may only stand where the env's open episode has "
+            "no step yet (its first row, right after a done, or after another False row)"
+        )
+    return done[-1] | invalid[-1]

@@ -313,24 +313,36 @@ def flags_disagree(
     return None if np.array_equal(either, done) else first_cell(either != done)
 
 
-def flag_on_invalid_row(valid: np.ndarray, done: np.ndarray) -> tuple[int, int] | None:
-    """Where a row the valid mask marks False carries a flag, or None."""
-    return None if valid.all() else first_cell(~valid & done)
+def flag_on_invalid_row(
+    valid: np.ndarray, done: np.ndarray, invalid: np.ndarray | None = None
+) -> tuple[int, int] | None:
+    """Where a row the valid mask marks False carries a flag, or None. ``invalid``:
+    ``~valid``, from a caller that made it after finding a False row."""
+    if invalid is None:
+        if valid.all():
+            return None
+        invalid = ~valid
+    return first_cell(invalid & done)
 
 
 def invalid_row_in_episode(
-    valid: np.ndarray, done: np.ndarray, open_empty: np.ndarray | None
+    valid: np.ndarray,
+    done: np.ndarray,
+    open_empty: np.ndarray | None,
+    invalid: np.ndarray | None = None,
 ) -> tuple[int, int] | None:
     """Where a False row stands inside an episode, or None. A False row may stand only
     where its env's open episode has no step yet: its first row (``open_empty``: (N,)
     before the chunk, None when every env's is empty), right after a done, or after
-    another False row."""
-    if not valid.shape[0] or valid.all():
-        return None
+    another False row. ``invalid`` as for flag_on_invalid_row."""
+    if invalid is None:
+        if not valid.shape[0] or valid.all():
+            return None
+        invalid = ~valid
     allowed = np.empty_like(valid)
     allowed[0] = True if open_empty is None else open_empty
-    allowed[1:] = done[:-1] | ~valid[:-1]
-    return first_cell(~valid & ~allowed)
+    allowed[1:] = done[:-1] | invalid[:-1]
+    return first_cell(invalid > allowed)  # False where no False row may stand
 
 
 def shown(text: str, limit: int = 64) -> str:
