@@ -83,20 +83,6 @@ def _getter(path: tuple) -> Callable[[Any], Any]:
     return get
 
 
-def _nest(space: spaces.Space, arrays: list[np.ndarray]) -> Any:
-    """The leaves back in the space's structure (dicts and tuples), in `_leaves` order."""
-    it = iter(arrays)
-
-    def build(sub: spaces.Space) -> Any:
-        if isinstance(sub, spaces.Dict):
-            return {key: build(s) for key, s in sub.spaces.items()}
-        if isinstance(sub, spaces.Tuple):
-            return tuple(build(s) for s in sub.spaces)
-        return next(it)
-
-    return build(space)
-
-
 def _autoreset_mode(envs: VectorEnv) -> AutoresetMode:
     mode = envs.metadata.get("autoreset_mode")
     try:
@@ -310,13 +296,13 @@ class _Rows:
         action = self.action[:T]
         if action.ndim > 3:  # record() takes (T, N, P): a Box of more dimensions, flattened
             action = action.reshape(T, self.n, -1)
+        # Under the names record() gives the contract's fields, in its order.
         chunk = {
             "action": action,
             "reward": self.reward[:T],
+            "done": done,
             "terminated": terminated,
             "truncated": truncated,
-            "obs": _nest(self.space, [buf[:T] for buf in self.obs]),
-            "final_obs": _nest(self.space, finals),
         }
         if self.mode == AutoresetMode.NEXT_STEP:
             valid = np.empty((T, self.n), dtype=bool)
@@ -333,6 +319,10 @@ class _Rows:
             self.open_after = valid[-1] & ~done[-1]
         else:
             self.open_after = ~done[-1]
+        for name, buf in zip(self.names, self.obs):
+            chunk[f"state:{name}"] = buf[:T]
+        for name, final in zip(self.names, finals):
+            chunk[f"final:{name}"] = final
         self.sent_steps += T
         # record() keeps references: the next chunk gets buffers of its own. They are in
         # place before it is called: an error it raises (a refusal of an earlier chunk, say)
@@ -342,7 +332,7 @@ class _Rows:
         for buf, row in zip(self.obs, carry):
             buf[0] = row
         self._new_chunk()
-        self.recorder.record(chunk)
+        self.recorder._record_built(chunk)
 
 
 def _final_obs(infos: Any) -> tuple[Any, Any]:

@@ -324,12 +324,7 @@ class RolloutRecorder:
         acknowledging them (DataLossError), are raised after this call's own
         chunk was queued: catching the exception never costs a chunk.
         """
-        self._check_open()
-        if self._follows:  # the sender process's reports, before this chunk is checked
-            self._sender.follow()
-        if self.max_episodes is not None and self._sender.counters()[0]:
-            self._sender.stats.chunks_dropped_full += 1
-            self._raise_async_errors()
+        if self._full():
             return False
         # Inlined lookups: after a training step the caches are cold, and every call and
         # object touched here is paid for at p99.
@@ -371,6 +366,37 @@ class RolloutRecorder:
             open_empty = None
         if _started.copies:  # CUDA copies this call started: one event after them all
             _fence_copies()
+        return self._queue(arrays, open_empty)
+
+    def _full(self) -> bool:
+        """A call's first steps: the recorder open, the sender process's reports taken
+        (before a chunk is checked), and whether the session is full (the chunk dropped and
+        counted, as in-process)."""
+        self._check_open()
+        if self._follows:
+            self._sender.follow()
+        if self.max_episodes is not None and self._sender.counters()[0]:
+            self._sender.stats.chunks_dropped_full += 1
+            self._raise_async_errors()
+            return True
+        return False
+
+    def _record_built(self, arrays: dict[str, Any]) -> bool:
+        """record() for a chunk this package's Gymnasium wrappers built: numpy arrays under
+        the names record() gives them (action, reward, done, terminated, truncated, valid,
+        state:obs..., final:obs...), done their OR. Their shapes and dtypes are checked as
+        record() checks them; the flag and mask rules, which the wrapper's buffers keep by
+        construction, are left to the server, which applies each of them to every chunk
+        (about a third of record()'s time on a CartPole chunk)."""
+        if self._full():
+            return False
+        if not self.record_obs:
+            arrays = {k: v for k, v in arrays.items() if not k.startswith(("state:", "final:"))}
+        return self._queue(arrays, None)
+
+    def _queue(self, arrays: dict[str, Any], open_empty: np.ndarray | None) -> bool:
+        """Check a chunk's layout and queue it (record()'s last steps); ``open_empty``: which
+        envs have an empty open episode after it (None: not known)."""
         raw, schema = self._validate(arrays)
         with self._lock:
             self._sequence += 1
