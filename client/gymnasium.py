@@ -98,6 +98,8 @@ def _autoreset_mode(envs: VectorEnv) -> AutoresetMode:
 # How an observation a single env returned is cast to its space's dtype: as a vector env's
 # batching casts it (int64 into a uint8 Box is refused, not wrapped round).
 _CASTING = "same_kind"
+# What numpy raises for an observation that does not fit its buffer (`_misfit` says why).
+_MISFITS = (KeyError, IndexError, TypeError, ValueError, OverflowError)
 
 
 def _fitted(value: Any, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -144,7 +146,8 @@ class _Rows:
             raise ValueError(f"{where}.{space}: {problem}")
         self.leaf_specs = [(space.shape, space.dtype) for _, space in leaves]
         self.getters = [_getter(path) for path, _ in leaves]
-        self.plain = leaves[0][0] == ()  # one array, no Dict/Tuple around it
+        # One array, no Dict/Tuple around it, as a vector env batched it.
+        self.batched = leaves[0][0] == () and not self.single
         self.action_spec = (action_space.shape, action_space.dtype)
         self.T, self.n, self.mode = chunk_steps, num_envs, mode
         self.reset_cancels_autoreset = True
@@ -186,14 +189,20 @@ class _Rows:
         self.reward[t] = reward
         self.terminated[t] = terminated
         self.truncated[t] = truncated
-        self._write(t + 1, obs, None)
+        if self.batched:  # _write's first case, without the call (a step's every ns counts)
+            try:
+                self.obs[0][t + 1] = obs
+            except _MISFITS as exc:
+                raise ValueError(self._misfit(obs, exc)) from None
+        else:
+            self._write(t + 1, obs, None)
         self.t = t + 1
 
     def _write(self, row: int, obs: Any, mask: np.ndarray | None) -> None:
         """Row `row` of the observation buffers from `obs` (only the environments in `mask`,
         when given), cast to the observation space's dtypes."""
         try:
-            if self.plain and mask is None and not self.single:
+            if self.batched and mask is None:
                 self.obs[0][row] = obs  # a vector env's batching gave it the space's shape
                 return
             for get, buf, (shape, _) in zip(self.getters, self.obs, self.leaf_specs):
@@ -204,7 +213,7 @@ class _Rows:
                     buf[row] = value
                 else:
                     buf[row][mask] = np.asarray(value)[mask]
-        except (KeyError, IndexError, TypeError, ValueError, OverflowError) as exc:
+        except _MISFITS as exc:
             raise ValueError(self._misfit(obs, exc)) from None
 
     def _misfit(self, obs: Any, exc: Exception, single: bool = False) -> str:

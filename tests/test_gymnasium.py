@@ -509,6 +509,27 @@ def test_an_observation_that_does_not_fit_its_space_is_refused_naming_the_leaf(a
             env.close()  # nothing recorded: the next wrapper may take the recorder
 
 
+def test_a_batched_observation_of_another_shape_is_refused_naming_the_space(address):
+    """A vector env (here a wrapper that cuts each observation short) whose batch does
+    not fit the single observation space: a ValueError naming it, not a broadcast."""
+
+    class Cut(gym.vector.VectorWrapper):
+        def step(self, actions):
+            obs, reward, terminated, truncated, info = self.env.step(actions)
+            return obs[:, :2], reward, terminated, truncated, info
+
+    with RolloutRecorder(target=address, session="batched-misfit") as recorder:
+        envs = RecordRollouts(Cut(gym.make_vec("CartPole-v1", num_envs=3)), recorder)
+        envs.reset(seed=0)
+        with pytest.raises(
+            ValueError,
+            match=r"obs: expected shape \(3, 4\) castable to float32 \(same_kind; "
+            r"envs\.single_observation_space\), got shape \(3, 2\) float32",
+        ):
+            envs.step(np.zeros(3, np.int64))
+        envs.close()
+
+
 def test_a_same_step_final_observation_that_does_not_fit_is_refused(address):
     """Under same-step autoreset the final observation reaches the wrapper unbatched (the
     vector env only batches the reset one): it is checked against the space too."""
