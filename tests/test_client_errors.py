@@ -5,6 +5,8 @@ to ``on_error`` at once), and the unary calls wait for a restarting server up to
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -144,7 +146,14 @@ def refused_later(target: str, session: str, **kwargs) -> tuple[RolloutRecorder,
     a.record(chunk())
     a.flush()
     b = RolloutRecorder(target=target, session=session, worker_id="b", **kwargs)
-    assert b.record(chunk(adtype=np.int64))  # record() cannot know: it returns True
+    child = b._sender._proc.pid if b.sender == "process" else None
+    if child is not None:  # else, on a loaded machine, the child's whole round trip can
+        os.kill(child, signal.SIGSTOP)  # end inside record(), which then raises it
+    try:
+        assert b.record(chunk(adtype=np.int64))  # record() cannot know: it returns True
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGCONT)
     assert wait_for(lambda: b.stats.chunks_acked == 1, timeout=10)
     return a, b
 
