@@ -17,6 +17,23 @@ import numpy as np
 from .errors import RecorderError
 
 
+def own_recorder(kwargs: dict[str, Any]) -> Any:
+    """The recorder a producer makes when given none: ``RolloutRecorder(**kwargs)``, its
+    stream in a process of its own (``sender="process"``: the loop's thread keeps its speed,
+    docs/concepts.md) unless ``kwargs`` pick a sender or ask for what only the thread sender
+    does (``max_episodes``, ``on_error``, ``on_backpressure="drop"``)."""
+    from .recorder import RolloutRecorder
+
+    threads_only = (
+        kwargs.get("max_episodes") is not None
+        or kwargs.get("on_error") is not None
+        or kwargs.get("on_backpressure") == "drop"
+    )
+    if "sender" not in kwargs and not threads_only:
+        kwargs = {**kwargs, "sender": "process"}
+    return RolloutRecorder(**kwargs)
+
+
 class Claim:
     """A producer recording into a recorder, and what its last recorded step left."""
 

@@ -43,7 +43,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from ._producer import claim
+from ._producer import claim, own_recorder
 from ._wire import obs_names_error
 from .recorder import RolloutRecorder
 
@@ -359,7 +359,7 @@ def _final_obs(infos: Any) -> tuple[Any, Any]:
 
 def _recorder(recorder: RolloutRecorder | None, kwargs: dict[str, Any]) -> tuple[Any, bool]:
     if recorder is None:
-        return RolloutRecorder(**kwargs), True
+        return own_recorder(kwargs), True
     if kwargs:
         raise TypeError(
             f"recorder_kwargs: expected none with a recorder given (they configure the "
@@ -372,7 +372,9 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
     """Records every step of a Gymnasium vector environment (sync or async) into a recorder.
 
     `recorder=None` makes `RolloutRecorder(**recorder_kwargs)` (with no `target`, a private
-    server) and closes it on `close()`; a recorder given is flushed on `close()`, not closed,
+    server; with `sender="process"` unless the kwargs pick a sender or use `max_episodes`,
+    `on_error` or `on_backpressure="drop"`, which only the thread sender has) and closes it
+    on `close()`; a recorder given is flushed on `close()`, not closed,
     so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
     sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
     next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation

@@ -137,6 +137,7 @@ class RolloutRecorder:
         # its own reconnect takes the id back; another recorder given the same id is refused.
         self._instance = uuid.uuid4().hex
         self._block = on_backpressure == "block"
+        self.sender = sender  # "thread" or "process"
         self._follows = sender == "process"
         self._raise_loss = raise_loss
         self._lock = threading.Lock()

@@ -45,7 +45,7 @@ except ImportError as exc:  # the client alone does not need SB3
         f"recorder_client.sb3 needs stable-baselines3: pip install 'rollout-recorder[sb3]' ({exc})"
     ) from exc
 
-from ._producer import claim
+from ._producer import claim, own_recorder
 from .errors import RecorderError
 from .recorder import RolloutRecorder
 
@@ -81,7 +81,8 @@ def _head(buffer: Any, steps: int) -> Any:
 
 class RecorderCallback(BaseCallback):
     """Records every step an SB3 algorithm collects into ``recorder`` (or, without one, into
-    a ``RolloutRecorder(**recorder_kwargs)`` this callback makes: ``callback.recorder``).
+    a ``RolloutRecorder(**recorder_kwargs)`` this callback makes: ``callback.recorder``, with
+    ``sender="process"`` unless the kwargs pick a sender or need the thread sender).
 
     ``chunk_steps``: VecEnv steps per ``record()`` call.
     """
@@ -102,7 +103,7 @@ class RecorderCallback(BaseCallback):
                 f"recorder_kwargs: expected none with a recorder given, got {sorted(recorder_kwargs)}"
             )
         self._owned = recorder is None
-        self.recorder = recorder if recorder is not None else RolloutRecorder(**recorder_kwargs)
+        self.recorder = recorder if recorder is not None else own_recorder(recorder_kwargs)
         self.chunk_steps = chunk_steps
         self._buffers: dict[str, Any] | None = None
         self._row = 0

@@ -378,6 +378,29 @@ def test_box_actions_of_two_dimensions_are_recorded_flattened(address):
     check(traj, truth(make, 2, actions, DISABLED), "Box (2, 3) actions")
 
 
+@pytest.mark.parametrize(
+    "kwargs, sender",
+    [
+        ({}, "process"),
+        ({"sender": "thread"}, "thread"),
+        ({"max_episodes": 10}, "thread"),
+        ({"on_error": print}, "thread"),
+        ({"on_backpressure": "drop"}, "thread"),
+    ],
+)
+def test_a_recorder_made_from_kwargs_streams_from_a_process_unless_told_otherwise(
+    address, kwargs, sender
+):
+    session = "sender-" + "-".join(k.replace("_", "-") for k in kwargs)  # one config each
+    envs = RecordRollouts(
+        vector("sync", make_cartpole, 2, SAME), target=address, session=session, **kwargs
+    )
+    try:
+        assert envs.recorder.sender == sender
+    finally:
+        envs.close()
+
+
 def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address):
     """recorder=None: the wrapper makes RolloutRecorder(**kwargs) and closes it on close();
     every record() but the last carries chunk_steps steps. Another client reads it all."""
@@ -392,6 +415,7 @@ def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address)
     )
     drive(envs, 1, actions)
     recorder = envs.recorder
+    assert recorder.sender == "process"  # the loop's thread keeps its speed
     envs.close()
     assert recorder._closed and envs.closed
     assert recorder.stats.chunks_acked == 4  # 16 + 16 + 16 + 2 steps

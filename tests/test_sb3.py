@@ -251,6 +251,16 @@ def test_bad_arguments_are_refused():
         RecorderCallback(object(), chunk_steps=0)
 
 
+def test_a_recorder_the_callback_makes_streams_from_a_process(target):
+    made = RecorderCallback(target=target, session="sb3-made")
+    threads = RecorderCallback(target=target, session="sb3-made-max", max_episodes=5)
+    try:
+        assert (made.recorder.sender, threads.recorder.sender) == ("process", "thread")
+    finally:
+        made.close()
+        threads.close()
+
+
 def test_a_done_step_without_its_terminal_observation_is_refused(target):
     """Zeros would pass for the final observation: a VecEnv that drops it is named."""
 
