@@ -22,14 +22,9 @@ def own_recorder(kwargs: dict[str, Any]) -> Any:
     stream in a process of its own (``sender="process"``: the loop's thread keeps its speed,
     docs/concepts.md) unless ``kwargs`` pick a sender or ask for what only the thread sender
     does (``max_episodes``, ``on_error``, ``on_backpressure="drop"``)."""
-    from .recorder import RolloutRecorder
+    from .recorder import RolloutRecorder, threads_needed
 
-    threads_only = (
-        kwargs.get("max_episodes") is not None
-        or kwargs.get("on_error") is not None
-        or kwargs.get("on_backpressure") == "drop"
-    )
-    if "sender" not in kwargs and not threads_only:
+    if "sender" not in kwargs and not threads_needed(kwargs):
         kwargs = {**kwargs, "sender": "process"}
     return RolloutRecorder(**kwargs)
 

@@ -110,7 +110,14 @@ class RolloutRecorder:
         _wire.check_options(
             max_episodes, on_backpressure, keepalive_seconds, max_bytes_in_flight, linger_ms
         )
-        _check_sender(sender, max_episodes, on_error, on_backpressure)
+        _check_sender(
+            sender,
+            {
+                "max_episodes": max_episodes,
+                "on_error": on_error,
+                "on_backpressure": on_backpressure,
+            },
+        )
         raise_loss = raises_on_loss(on_data_loss)
         if on_error is not None and not callable(on_error):
             raise ValueError(f"on_error: expected a callable or None, got {on_error!r}")
@@ -651,16 +658,26 @@ class RolloutRecorder:
         )
 
 
-def _check_sender(sender: Any, max_episodes: Any, on_error: Any, on_backpressure: str) -> None:
+# What the process sender cannot keep: each option, the value it needs there, and why.
+_PROCESS_NEEDS = (
+    ("max_episodes", None, "is_full is answered from acks this process lacks"),
+    ("on_error", None, "errors reach this process at its next call"),
+    ("on_backpressure", "block", "a full pipe to the sender blocks"),
+)
+
+
+def threads_needed(options: Mapping[str, Any]) -> bool:
+    """Whether recorder options ask for what only the thread sender does."""
+    return any(options.get(name, wanted) != wanted for name, wanted, _ in _PROCESS_NEEDS)
+
+
+def _check_sender(sender: Any, options: Mapping[str, Any]) -> None:
     if sender not in ("thread", "process"):
         raise ValueError(f'sender: expected "thread" or "process", got {sender!r}')
     if sender != "process":
         return
-    for name, value, wanted, why in (
-        ("max_episodes", max_episodes, None, "is_full is answered from acks this process lacks"),
-        ("on_error", on_error, None, "errors reach this process at its next call"),
-        ("on_backpressure", on_backpressure, "block", "a full pipe to the sender blocks"),
-    ):
+    for name, wanted, why in _PROCESS_NEEDS:
+        value = options[name]
         if value != wanted:
             raise ValueError(
                 f'{name}: expected {wanted!r} with sender="process" ({why}), got {value!r}'
