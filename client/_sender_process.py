@@ -292,8 +292,7 @@ class ProcessSender:
             layout,
             memory,
         )
-        with self._lock:
-            self._follow()
+        with self._lock:  # the child's reports were taken by follow(), this call's first step
             self._send_blocking(header)
             self._sent_steps += item.length
             self._sent_bytes += item.raw_bytes
