@@ -153,11 +153,36 @@ def export(target: str, session: str, to, *flags: str) -> subprocess.CompletedPr
     )
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing is bound to right now, for a server a test
+    starts (and may restart on it). Picked below the kernel's ephemeral range: a port from
+    bind(0) can be handed to another socket's bind(0), a proxy's or a client's outgoing
+    connection, before the server binds it ("Address already in use" at a node's start).
+    Never the same port twice in one process."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = 10000
+    for _ in range(500 if ephemeral_low - low >= 1000 else 0):
+        port = random.randrange(low, ephemeral_low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

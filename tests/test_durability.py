@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mounted_tmpfs, wait_for
+from conftest import free_port, mounted_tmpfs, wait_for
 from reference_model import ReferenceRecorder
 
 from recorder_client import ResourceExhaustedError, RolloutRecorder
@@ -20,12 +19,6 @@ from recorder_client._launch import ServerProcess
 from recorder_server.workload import SyntheticVecEnv
 
 FIELDS = ["player_positions", "player_inventory"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from conftest import free_port
 
 from recorder_client._launch import ServerProcess
 
@@ -38,14 +39,6 @@ REPO = HERE.parents[1]
 COMPOSE = REPO / "deploy" / "compose.cluster.yml"
 SESSION = "run"
 TOKEN = "cluster-harness-token"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sidecar_argv(uri: str, node: str, listen: str, data_dir: Path, token_file: Path) -> list[str]:
