@@ -458,8 +458,7 @@ class RolloutRecorder:
         # Fast path (record() is on the training loop's thread): the same layout as the
         # previous chunk, one T for every array. Anything else takes the full check.
         # One shape at a time, compared and let go: a tensor's shape is a new torch.Size,
-        # which the garbage collector counts, and a list of them made the torch call the
-        # one where the collections fell (bench `latency_torch`: p99).
+        # an object the garbage collector counts, and a list of them held five at once.
         previous = self._shapes
         if previous is not None and len(previous) == len(arrays):
             for (key, value), (key_was, shape, dtype) in zip(arrays.items(), previous):
