@@ -146,10 +146,9 @@ def host_view(tensor: Any) -> np.ndarray:
     release the GIL, so the sender thread calls this, not record()."""
     if not tensor.requires_grad:
         try:
-            # Not numpy(force=True) for every tensor: that first detaches and moves it
+            # Not numpy(force=True) for every tensor: that first detaches it and moves it
             # through torch's dispatcher, and with those calls in the sender thread about
-            # twice as many back-to-back record() calls took over 30 us (bench
-            # `latency_torch`: p99 2.1-3.5x numpy's, then 0.7-2.9x).
+            # twice as many record() calls beside it were slow (bench `latency_torch`).
             return tensor.numpy()
         except RuntimeError:  # a lazy conjugate or negative bit
             pass
