@@ -143,7 +143,8 @@ def fence_copies() -> None:
 def host_view(tensor: Any) -> np.ndarray:
     """A CPU tensor's memory as a numpy array: a view, detached from the autograd graph,
     copied only where a lazy conjugate or negative bit must be resolved. torch's methods
-    release the GIL, so the sender thread calls this, not record()."""
+    release the GIL, so record() calls this only for the values it checks (flags, masks,
+    outcome codes); the sender thread reads every other tensor through it."""
     if not tensor.requires_grad:
         try:
             # Not numpy(force=True) for every tensor: that first detaches it and moves it
