@@ -171,8 +171,8 @@ def free_port() -> int:
     except (OSError, ValueError, IndexError):
         ephemeral_low = 32768
     low = 10000
-    for _ in range(500 if ephemeral_low - low >= 1000 else 0):
-        port = random.randrange(low, ephemeral_low)
+    tries = 500 if ephemeral_low - low >= 1000 else 0  # none: no room below the range
+    for port in (random.randrange(low, ephemeral_low) for _ in range(tries)):
         if port in _PORTS_GIVEN:
             continue
         with socket.socket() as s:
@@ -182,7 +182,7 @@ def free_port() -> int:
                 continue
         _PORTS_GIVEN.add(port)
         return port
-    with socket.socket() as s:  # no room below the ephemeral range
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
