@@ -42,6 +42,18 @@ def _fixed(key: str) -> bool:
     return key not in _OPTIONAL and not key.startswith("final:")
 
 
+def check_kept(arrays: dict[str, Any]) -> None:
+    """The CPU tensors record() kept after two properties (see _torch.KEPT): refused here,
+    naming the field, when nested or of a dtype numpy does not hold. Called before anything
+    reads their shapes or values."""
+    tensor = _torch.KEPT[0]
+    if tensor is None:
+        return
+    for key, value in arrays.items():
+        if type(value) is tensor:
+            _torch.check_kept(value, _label(key))
+
+
 def check_outcome(codes: Any) -> None:
     if np.dtype(codes.dtype).kind not in "iu":
         raise InvalidChunkError(

@@ -34,10 +34,12 @@ _NUMPY_DTYPES: dict[Any, np.dtype | None] = {}
 
 _EXPECTED = "a dense CPU or CUDA tensor with a numpy dtype (bool, integer or floating)"
 
-# torch.Tensor and torch.strided once a tensor was taken (record()'s fast path before that
-# sees no tensor type and takes the full path, which sets them).
-_TENSOR: Any = None
-_STRIDED: Any = None
+# (torch.Tensor, torch.strided) once a tensor was taken: record() keeps a tensor of that
+# type, on the CPU and strided, after those two properties alone (before any was taken it
+# sees no tensor type and takes the full path, which sets them). Its nesting and dtype are
+# checked with the chunk's layout: the dtype the worker's last chunk had for that field (a
+# nested tensor has no shape to compare), or check_kept().
+KEPT: tuple[Any, Any] = (None, None)
 
 
 def _torch() -> Any:
@@ -50,17 +52,14 @@ def is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def kept_as_is(value: Any) -> bool:
-    """record()'s fast path: whether ``value`` is a plain torch.Tensor that take() would
-    keep as it is (dense, on the CPU, of a dtype numpy holds). Properties only: each
-    costs ~40 ns, where a call through take() cost the caller ~0.7 us a tensor."""
-    return (
-        type(value) is _TENSOR
-        and value.is_cpu
-        and value.layout is _STRIDED
-        and not value.is_nested
-        and _NUMPY_DTYPES.get(value.dtype) is not None
-    )
+def check_kept(tensor: Any, what: str) -> None:
+    """What record() leaves unchecked of a CPU tensor it kept (see KEPT), and take() checks
+    of every tensor: InvalidChunkError naming ``what`` for a nested tensor, or one of a
+    dtype numpy does not hold."""
+    if tensor.is_nested:
+        raise _refuse(what, f"a nested tensor on {tensor.device}")
+    if numpy_dtype(tensor.dtype) is None:
+        raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")
 
 
 def numpy_dtype(dtype: Any) -> np.dtype | None:
@@ -203,19 +202,17 @@ def take(tensor: Any, what: str, defer: bool = True) -> Any:
     """A CPU tensor as it is (``defer``: the sender reads it through host_view) or as a
     numpy view; a CUDA one as a HostCopy under way. InvalidChunkError naming ``what`` for a
     tensor numpy cannot hold or this process cannot copy."""
-    global _TENSOR, _STRIDED
+    global KEPT
     torch = _torch()
-    _TENSOR, _STRIDED = torch.Tensor, torch.strided
+    KEPT = (torch.Tensor, torch.strided)
     # Properties only on the common path, no method of the tensor's: those release the GIL,
     # and taking it back from the sender thread cost record() up to 5 ms (bench
     # `latency_torch`: p99 from ~1.8 ms to tens of us). No wrapper object either: each
     # object a queued chunk holds counts towards the garbage collector's next collection,
     # and those collections landed in record() calls (the bench's p99).
-    if tensor.layout is not torch.strided or tensor.is_nested:  # a nested one has no shape
-        kind = "nested" if tensor.is_nested else tensor.layout
-        raise _refuse(what, f"a {kind} tensor on {tensor.device}")
-    if numpy_dtype(tensor.dtype) is None:
-        raise _refuse(what, f"a {tensor.dtype} tensor on {tensor.device}")
+    if tensor.layout is not torch.strided and not tensor.is_nested:
+        raise _refuse(what, f"a {tensor.layout} tensor on {tensor.device}")
+    check_kept(tensor, what)  # nested (a jagged one's layout is not strided) or its dtype
     if tensor.is_cpu:
         if defer:
             return tensor

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks, _chunk, _wire
+from . import _checks, _chunk, _torch, _wire
 from ._chunk import take as _take
 from ._connection import Connection, wire_options
 from ._credentials import PemSource
@@ -28,7 +28,6 @@ from ._proto import recorder_pb2 as pb
 from ._stream import ChunkSender, PendingChunk, StreamStats
 from ._torch import STARTED as _started
 from ._torch import fence_copies as _fence_copies
-from ._torch import kept_as_is as _kept
 from .capture import RemoteCapture
 from .capture_types import TrajectoryTrainingConfiguration
 from .errors import InvalidChunkError, InvalidNameError, RecorderError, WorkerIdInUseError
@@ -159,6 +158,7 @@ class RolloutRecorder:
         # (a fixed T) is answered by one list comparison.
         self._shapes: list | None = None
         self._shapes_raw = 0
+        self._shapes_tn = (0, 0)
         self._layout: Any = None
         self._step_bytes = 0
         # (N,) whether each env's open episode has no step yet, after the chunks with a
@@ -337,6 +337,9 @@ class RolloutRecorder:
         # Inlined lookups: after a training step the caches are cold, and every call and
         # object touched here is paid for at p99.
         arrays: dict[str, Any] = {}
+        # A CPU tensor is kept after two properties; its nesting and dtype are checked with
+        # the layout (_validate), as one of the worker's last chunk's or in full.
+        tensor, strided = _torch.KEPT
         get = trajectories.get if isinstance(trajectories, Mapping) else None
         for name in ("action", "reward", "done"):
             value = get(name) if get else getattr(trajectories, name, None)
@@ -348,7 +351,8 @@ class RolloutRecorder:
                 )
             arrays[name] = (
                 value
-                if type(value) is np.ndarray or _kept(value)
+                if type(value) is np.ndarray
+                or (type(value) is tensor and value.is_cpu and value.layout is strided)
                 else _take(value, f"trajectories.{name}")
             )
         if outcome is None:
@@ -362,7 +366,8 @@ class RolloutRecorder:
                 if value is not None:
                     arrays[key] = (
                         value
-                        if type(value) is np.ndarray or _kept(value)
+                        if type(value) is np.ndarray
+                        or (type(value) is tensor and value.is_cpu and value.layout is strided)
                         else _take(value, f"env_states.{name}")
                     )
         # The contract's flags, valid mask and observations (done from the flags' OR).
@@ -405,11 +410,10 @@ class RolloutRecorder:
     def _queue(self, arrays: dict[str, Any], open_empty: np.ndarray | None) -> bool:
         """Check a chunk's layout and queue it (record()'s last steps); ``open_empty``: which
         envs have an empty open episode after it (None: not known)."""
-        raw, schema = self._validate(arrays)
+        raw, schema, (length, envs) = self._validate(arrays)
         with self._lock:
             self._sequence += 1
             done = arrays["done"]
-            length, envs = done.shape  # unpacked: no torch.Size held (see _validate)
             item = PendingChunk(
                 self._sequence,
                 raw,
@@ -450,22 +454,29 @@ class RolloutRecorder:
         """Raw bytes recorded but not yet acknowledged by the server."""
         return self._sender.bytes_in_flight
 
-    def _validate(self, arrays: dict[str, Any]) -> tuple[int, Any]:
-        """Check shapes and dtypes against this worker's stored chunks; returns raw bytes
-        and the chunk's layout."""
+    def _validate(self, arrays: dict[str, Any]) -> tuple[int, Any, tuple[int, int]]:
+        """Check shapes and dtypes against this worker's stored chunks; returns raw bytes,
+        the chunk's layout and its (T, N)."""
         if "outcome" in arrays:
             _checks.check_outcome(arrays["outcome"])
         # Fast path (record() is on the training loop's thread): the same layout as the
         # previous chunk, one T for every array. Anything else takes the full check.
         # One shape at a time, compared and let go: a tensor's shape is a new torch.Size,
         # an object the garbage collector counts, and a list of them held five at once.
+        # A tensor record() kept (_torch.KEPT) with the dtype the last chunk had there was
+        # checked in full once; a nested one has no shape (RuntimeError), and the full
+        # check refuses it.
         previous = self._shapes
         if previous is not None and len(previous) == len(arrays):
-            for (key, value), (key_was, shape, dtype) in zip(arrays.items(), previous):
-                if key != key_was or value.dtype != dtype or value.shape != shape:
-                    break
-            else:
-                return self._shapes_raw, self._layout
+            try:
+                for (key, value), (key_was, shape, dtype) in zip(arrays.items(), previous):
+                    if key != key_was or value.dtype != dtype or value.shape != shape:
+                        break
+                else:
+                    return self._shapes_raw, self._layout, self._shapes_tn
+            except RuntimeError:
+                pass
+        _checks.check_kept(arrays)
         shapes = [(k, tuple(v.shape), v.dtype) for k, v in arrays.items()]
         signature = tuple((k, tuple(shape[1:]), dtype) for k, shape, dtype in shapes)
         lengths = {shape[0] if shape else None for _, shape, _ in shapes}
@@ -478,8 +489,9 @@ class RolloutRecorder:
                 self._schema = layout
             self._signature, self._layout, self._step_bytes = signature, layout, step_bytes
             raw = lengths.pop() * step_bytes  # one T once checked
-        self._shapes, self._shapes_raw = shapes, raw
-        return raw, self._layout
+        tn = next(shape for key, shape, _ in shapes if key == "done")  # (T, N), checked
+        self._shapes, self._shapes_raw, self._shapes_tn = shapes, raw, tn
+        return raw, self._layout, tn
 
     def _wire_options(self) -> tuple[bool, int]:
         return wire_options(self._joined)  # the server last joined

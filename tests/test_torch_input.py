@@ -188,6 +188,39 @@ def test_after_tensor_chunks_a_bad_tensor_is_still_refused(target):
         assert rec.stats.chunks_acked == 2
 
 
+@pytest.mark.parametrize("field", ["action", "done", "pos"])
+def test_with_flags_a_bad_tensor_after_good_ones_is_refused_before_it_is_read(target, field):
+    # With terminated and truncated, record() reads the action's shape and the flags'
+    # values before the layout check: a tensor kept on the fast path is checked first.
+    chunks = numpy_chunks(2)
+
+    def with_flags(traj: dict, states: dict) -> tuple[dict, dict]:
+        traj, states = as_tensors(traj, states)
+        done = traj["done"]
+        return {**traj, "terminated": done, "truncated": torch.zeros_like(done)}, states
+
+    bad = {
+        "bfloat16": lambda like: like.to(torch.bfloat16),
+        "nested": lambda like: torch.nested.nested_tensor([like[0], like[1]]),
+    }
+    with RolloutRecorder(
+        record_states=True, state_fields=FIELDS, target=target, session=f"flags-bad-{field}"
+    ) as rec:
+        rec.record(*with_flags(*chunks[0]))
+        for got, make in bad.items():
+            traj, states = with_flags(*chunks[1])
+            where, label = (states, "env_states") if field in states else (traj, "trajectories")
+            where[field] = make(where[field].detach())
+            with pytest.raises(InvalidChunkError) as info:
+                rec.record(traj, states)
+            message = str(info.value)
+            assert message.startswith(f"{label}.{field}: expected a dense CPU"), message
+            assert got in message, message
+        rec.record(*with_flags(*chunks[1]))
+        rec.flush()
+        assert rec.stats.chunks_acked == 2
+
+
 def test_an_object_that_is_no_array_is_refused_naming_the_field(target):
     traj, states = numpy_chunks(1)[0]
     traj["reward"] = [[1.0, 2.0], [3.0]]  # ragged
