@@ -114,6 +114,7 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
         import torch
         from stable_baselines3 import PPO
         from stable_baselines3.common.env_util import make_vec_env
+        from stable_baselines3.common.logger import Logger
     except ImportError as exc:
         raise Skipped(f"stable-baselines3 is not installed ({exc})") from None
     from recorder_client import RolloutRecorder
@@ -146,6 +147,10 @@ def run_sb3_ppo(ctx: Context, rep: int = 0) -> dict[str, Any]:
             )
             for name in callbacks
         }
+        for model in models.values():
+            # Outputs SB3 would write nowhere: without a logger of its own, every learn()
+            # made a log directory under the system's temp directory.
+            model.set_logger(Logger(None, []))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         seconds = dict.fromkeys(models, 0.0)

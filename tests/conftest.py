@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +30,12 @@ if str(TESTS.parent / "bench") not in sys.path:
     sys.path.append(str(TESTS.parent / "bench"))
 
 from moto_s3 import S3Server  # noqa: E402
+
+# Stable-Baselines3 makes a log directory under the system's temp directory for every
+# learn() (its examples here run as subprocesses too): one for the run, removed at its end.
+if "SB3_LOGDIR" not in os.environ:
+    os.environ["SB3_LOGDIR"] = tempfile.mkdtemp(prefix="rr-tests-sb3-")
+    atexit.register(shutil.rmtree, os.environ["SB3_LOGDIR"], ignore_errors=True)
 
 
 @pytest.fixture

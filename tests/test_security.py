@@ -7,8 +7,10 @@ token file and real PEM files.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import ipaddress
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +70,7 @@ def start_secured(
 ) -> RunningServer:
     """A server on 127.0.0.1, port 0, with a token file and optionally TLS (cert, key)."""
     root = Path(tempfile.mkdtemp(prefix="rr-sec-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # after the server stopped
     token_file = None
     if token is not None:
         token_file = root / "token"
