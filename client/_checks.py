@@ -42,7 +42,7 @@ def _fixed(key: str) -> bool:
     return key not in _OPTIONAL and not key.startswith("final:")
 
 
-def check_kept(arrays: dict[str, Any]) -> None:
+def check_kept_tensors(arrays: dict[str, Any]) -> None:
     """The CPU tensors record() kept after two properties (see _torch.KEPT): refused here,
     naming the field, when nested or of a dtype numpy does not hold. Called before anything
     reads their shapes or values."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import _torch
-from ._checks import check_kept
+from ._checks import check_kept_tensors
 from ._obs import flatten
 from .errors import InvalidChunkError
 
@@ -108,7 +108,7 @@ def add_contract(
     if terminated is None and truncated is None and valid is None and obs is None:
         if final is None and "done" in arrays:
             return  # the factoriax call: nothing more to read
-    check_kept(arrays)  # the values and shapes of action and done are read below
+    check_kept_tensors(arrays)  # the values and shapes of action and done are read below
     if (terminated is None) != (truncated is None):
         given, missing = ("terminated", "truncated")
         if terminated is None:

@@ -38,7 +38,7 @@ _EXPECTED = "a dense CPU or CUDA tensor with a numpy dtype (bool, integer or flo
 # type, on the CPU and strided, after those two properties alone (before any was taken it
 # sees no tensor type and takes the full path, which sets them). Its nesting and dtype are
 # checked with the chunk's layout: the dtype the worker's last chunk had for that field (a
-# nested tensor has no shape to compare), or check_kept().
+# nested tensor has no shape to compare), or check_kept() on it.
 KEPT: tuple[Any, Any] = (None, None)
 
 

@@ -476,7 +476,7 @@ class RolloutRecorder:
                     return self._shapes_raw, self._layout, self._shapes_tn
             except RuntimeError:
                 pass
-        _checks.check_kept(arrays)
+        _checks.check_kept_tensors(arrays)
         shapes = [(k, tuple(v.shape), v.dtype) for k, v in arrays.items()]
         signature = tuple((k, tuple(shape[1:]), dtype) for k, shape, dtype in shapes)
         lengths = {shape[0] if shape else None for _, shape, _ in shapes}
