@@ -3,8 +3,11 @@
 CartPole-v1, 8 environments in a `SyncVectorEnv` (Gymnasium's default next-step autoreset),
 the same pre-drawn actions, stepped bare and wrapped in `RecordRollouts` recording to a
 local server (at the default 128 steps a `record()`, at 512, with `linger_ms=50`, and with
-the stream in a process of its own, `sender="process"`), side by side: the five take turns
-in short rounds (each first in turn), so that all see the same background load. Each arm
+the stream in a process of its own, `sender="process"`), side by side. Two more arms read
+the bench's resolution and the floor under those: a second bare loop, made after the others
+(an A/A pair: its ratio to the first is noise), and `RecordRollouts` into a recorder that
+discards every chunk (the wrapper's copies of each step and its chunk building, with no
+record()). The seven take turns in short rounds (each first in turn), so that all see the same background load. Each arm
 steps one env (and one wrapper and recorder) for the whole run, as a training loop does. A
 wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
 wrapper still holds go in its next round). The server runs with `--wal-fsync never`: with
@@ -32,6 +35,19 @@ NUM_ENVS = 8
 REST_S = 0.06
 
 
+def _discarding_class() -> type:
+    from recorder_client import RolloutRecorder
+
+    class Discarding(RolloutRecorder):
+        """A recorder whose wrapper's chunks go nowhere: RecordRollouts hands each chunk it
+        built to `_record_built`, record()'s entry for them."""
+
+        def _record_built(self, arrays: dict[str, Any]) -> bool:
+            return True
+
+    return Discarding
+
+
 def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     try:
         import gymnasium as gym
@@ -39,6 +55,8 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
         raise Skipped(f"gymnasium is not installed ({exc}); it is in the dev extra") from None
     from recorder_client import RolloutRecorder
     from recorder_client.gymnasium import RecordRollouts
+
+    _Discarding = _discarding_class()
 
     # Short rounds in many pairs: a pair sees nearly the same load, and the median of the
     # pairs' ratios drops the pairs a load swing split.
@@ -76,12 +94,17 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
             return RecordRollouts(make(), recorder, chunk_steps=chunk_steps), recorder
 
         arms["bare"] = (make(), None)
+        # The floor: this wrapper's own work, without record().
+        discarding = _Discarding(target=server.address, session="gym-discard")
+        recorders.append(discarding)
+        arms["discarding"] = (RecordRollouts(make(), discarding), discarding)
         arms["wrapped"] = wrapped("gym-wrapper")
         arms["wrapped_512"] = wrapped("gym-wrapper-512", 512)
         # Small chunks linger 50 ms and join (linger_ms, off by default).
         arms["wrapped_linger"] = wrapped("gym-linger", linger_ms=50)
         # The stream in a process of its own: no thread of the loop's process takes the GIL.
         arms["wrapped_process"] = wrapped("gym-process", sender="process")
+        arms["bare_again"] = (make(), None)  # A/A: the same loop on envs made last
         for envs, recorder in arms.values():  # warm up: connections, the first layouts
             envs.reset(seed=0)
             timed(envs, recorder)
@@ -103,6 +126,15 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     def ratio(arm: list[tuple[float, float, float]], i: int) -> float:
         return statistics.median(w[i] / b[i] for w, b in zip(arm, bare))
 
+    def summary(name: str) -> dict[str, float]:
+        arm = runs[name]
+        return {
+            "env_steps_s": statistics.median(w[0] for w in arm),
+            "ratio": ratio(arm, 0),
+            "cpu_ratio": ratio(arm, 1),
+            "loop_thread_cpu_ratio": ratio(arm, 2),
+        }
+
     return {
         "num_envs": NUM_ENVS,
         "steps_per_round": steps,
@@ -116,25 +148,14 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
         "cpu_ratio": ratio(wrapped, 1),
         "loop_thread_cpu_ratio": ratio(wrapped, 2),
         # The same wrapper sending 512 steps a record() (the client's cost is mostly per call).
-        "chunk_512": {
-            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_512"]),
-            "ratio": ratio(runs["wrapped_512"], 0),
-            "cpu_ratio": ratio(runs["wrapped_512"], 1),
-            "loop_thread_cpu_ratio": ratio(runs["wrapped_512"], 2),
-        },
+        "chunk_512": summary("wrapped_512"),
         # The same wrapper, its recorder made with sender="process".
-        "process": {
-            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_process"]),
-            "ratio": ratio(runs["wrapped_process"], 0),
-            "cpu_ratio": ratio(runs["wrapped_process"], 1),
-            "loop_thread_cpu_ratio": ratio(runs["wrapped_process"], 2),
-        },
+        "process": summary("wrapped_process"),
+        "bare_again": summary("bare_again"),
+        "discarding": summary("discarding"),
         # The same wrapper, its recorder made with linger_ms=50.
         "linger": {
-            "env_steps_s": statistics.median(w[0] for w in runs["wrapped_linger"]),
-            "ratio": ratio(runs["wrapped_linger"], 0),
-            "cpu_ratio": ratio(runs["wrapped_linger"], 1),
-            "loop_thread_cpu_ratio": ratio(runs["wrapped_linger"], 2),
+            **summary("wrapped_linger"),
             "messages": linger_status.chunks_stored,
             "recorded_steps": linger_status.num_recorded_steps,
         },
@@ -148,34 +169,36 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
     r = results.get("gym_record_rollouts")
     if not r:
         return []
-    rows = []
-    for label, res, wrapped in (
-        ("", r, r["wrapped_env_steps_s"]),
-        (", chunk_steps=512", r["chunk_512"], r["chunk_512"]["env_steps_s"]),
-        *(
-            [(", recorder with linger_ms=50", r["linger"], r["linger"]["env_steps_s"])]
-            if "linger" in r
-            else []
+    n = r["num_envs"]
+    recording = f"RecordRollouts on CartPole, {n} SyncVectorEnv envs{{}}: env steps/s recording to a local server (--wal-fsync never"
+    arms = [
+        (recording.format(""), r),
+        (recording.format(", chunk_steps=512"), r["chunk_512"]),
+        (recording.format(", recorder with linger_ms=50"), r.get("linger")),
+        (recording.format(', recorder with sender="process"'), r.get("process")),
+        (
+            f"RecordRollouts on CartPole, {n} SyncVectorEnv envs, into a recorder that discards "
+            "each chunk: env steps/s (the wrapper's copies and chunks alone, no record()",
+            r.get("discarding"),
         ),
-        *(
-            [(', recorder with sender="process"', r["process"], r["process"]["env_steps_s"])]
-            if "process" in r
-            else []
+        (
+            f"A/A: a second bare loop on CartPole, {n} SyncVectorEnv envs, made after the "
+            "others: env steps/s (the bench's noise",
+            r.get("bare_again"),
         ),
-    ):
-        rows.append(
-            Row(
-                "Gymnasium",
-                f"RecordRollouts on CartPole, {r['num_envs']} SyncVectorEnv envs{label}: env "
-                f"steps/s recording to a local server (--wal-fsync never; median of {r['rounds']} rounds' ratio "
-                f"{res['ratio']:.3f}; per CPU second {res['cpu_ratio']:.3f}, of the loop's "
-                f"thread {res['loop_thread_cpu_ratio']:.3f})",
-                wrapped,
-                r["bare_env_steps_s"],
-                "the same loop without the wrapper",
-                "steps/s",
-                "higher",
-                digits=0,
-            )
+    ]
+    return [
+        Row(
+            "Gymnasium",
+            f"{text}; median of {r['rounds']} rounds' ratio {res['ratio']:.3f}; per CPU second "
+            f"{res['cpu_ratio']:.3f}, of the loop's thread {res['loop_thread_cpu_ratio']:.3f})",
+            res.get("env_steps_s", r["wrapped_env_steps_s"]),
+            r["bare_env_steps_s"],
+            "the same loop without the wrapper",
+            "steps/s",
+            "higher",
+            digits=0,
         )
-    return rows
+        for text, res in arms
+        if res is not None
+    ]

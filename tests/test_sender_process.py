@@ -103,6 +103,19 @@ def test_a_killed_sender_process_is_raised_by_the_next_call(target):
         assert rec.stats.chunks_acked == 1
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_child_runs_below_the_training_process(target):
+    rec = RolloutRecorder(target=target, session="child-nice", sender="process")
+    try:
+        with open(f"/proc/{rec._sender._proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        nice, policy = int(fields[16]), int(fields[38])  # stat's fields 19 and 41
+        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+        assert policy == os.SCHED_BATCH
+    finally:
+        rec.close()
+
+
 def test_a_flush_with_every_chunk_answered_needs_no_word_from_the_child(target):
     """flush() once the server answered every chunk returns from the shared counters,
     without a round trip to the child: it returns while the child is stopped (SIGSTOP).
