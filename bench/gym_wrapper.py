@@ -7,8 +7,9 @@ the stream in a process of its own, `sender="process"`), side by side. Two more 
 the bench's resolution and the floor under those: a second bare loop, made after the others
 (an A/A pair: its ratio to the first is noise), and `RecordRollouts` into a recorder that
 discards every chunk (the wrapper's copies of each step and its chunk building, with no
-record()). The seven take turns in short rounds (each first in turn), so that all see the same background load. Each arm
-steps one env (and one wrapper and recorder) for the whole run, as a training loop does. A
+record()). The seven take turns in short rounds (each first in turn), so that all see the
+same background load. Each arm steps one env (and one wrapper and recorder) for the whole
+run, as a training loop does. A
 wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
 wrapper still holds go in its next round). The server runs with `--wal-fsync never`: with
 batch fsync an ack waits up to `--wal-batch-ms` (50 ms) for the log's fsync, a wait a
@@ -170,7 +171,10 @@ def rows_gym_record_rollouts(results: dict[str, dict[str, Any]]) -> list[Row]:
     if not r:
         return []
     n = r["num_envs"]
-    recording = f"RecordRollouts on CartPole, {n} SyncVectorEnv envs{{}}: env steps/s recording to a local server (--wal-fsync never"
+    recording = (
+        f"RecordRollouts on CartPole, {n} SyncVectorEnv envs{{}}: env steps/s recording to a "
+        "local server (--wal-fsync never"
+    )
     arms = [
         (recording.format(""), r),
         (recording.format(", chunk_steps=512"), r["chunk_512"]),
