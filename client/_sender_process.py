@@ -9,8 +9,8 @@ writes it to a pipe; a child process (`python -m recorder_client._sender_process
 same `ChunkSender` on a connection of its own and reports back through a small shared file
 (acks, counters, stats, under a sequence lock) and a pipe (errors, replies).
 
-The child runs below the training process (SCHED_BATCH, nice +SENDER_NICE): its wakeups
-do not preempt the loop, and a core both want goes mostly to the loop.
+The child runs below the training process (SCHED_BATCH, nice +5, `SENDER_NICE`): its
+wakeups do not preempt the loop, and a core both want goes mostly to the loop.
 
 The child outlives a training process that dies: it sends what it was given (retrying for
 `reconnect_timeout`) and exits. If the child dies, the recorder's next call raises.
@@ -614,8 +614,9 @@ class _Child:
 def _yield_to_the_trainer() -> None:
     """Background work for the training loop: a chunk that wakes this process does not
     preempt the loop where both share a core (SCHED_BATCH), and where they contend for one
-    the loop gets most of it (nice + SENDER_NICE). Without both, this process and the server
-    preempted CartPole's loop about 12 times a 160 ms round (bench `gym_record_rollouts`)."""
+    the loop gets most of it (nice + SENDER_NICE). With neither, this process and the server
+    preempted CartPole's loop about 12 times a 160 ms round, with both 4-9 times (bench
+    `gym_record_rollouts`)."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux

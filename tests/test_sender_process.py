@@ -23,6 +23,7 @@ from test_linger import T, chunks, record_all
 from test_property_remote import assert_bit_identical
 
 from recorder_client import RecorderError, RolloutRecorder
+from recorder_client._sender_process import SENDER_NICE
 
 
 @pytest.mark.parametrize("linger_ms", [0, 500])
@@ -110,7 +111,7 @@ def test_the_child_runs_below_the_training_process(target):
         with open(f"/proc/{rec._sender._proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         nice, policy = int(fields[16]), int(fields[38])  # stat's fields 19 and 41
-        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)
+        assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + SENDER_NICE)
         assert policy == os.SCHED_BATCH
     finally:
         rec.close()
