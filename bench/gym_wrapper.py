@@ -9,11 +9,11 @@ the bench's resolution and the floor under those: a second bare loop, made after
 discards every chunk (the wrapper's copies of each step and its chunk building, with no
 record()). The seven take turns in short rounds (each first in turn), so that all see the
 same background load. Each arm steps one env (and one wrapper and recorder) for the whole
-run, as a training loop does. A
-wrapped round's clock runs until the server acknowledged the round's chunks (the rows a
-wrapper still holds go in its next round). The server runs with `--wal-fsync never`: with
-batch fsync an ack waits up to `--wal-batch-ms` (50 ms) for the log's fsync, a wait a
-training loop never makes but that a 90 ms round's clock would count. Before each round
+run, as a training loop does. A wrapped round's clock runs until the server acknowledged
+the round's chunks (the rows a wrapper still holds go in its next round). The server runs
+with `--wal-fsync never`: with batch fsync an ack waits up to `--wal-batch-ms` (50 ms) for
+the log's fsync, a wait a training loop never makes but that a 90 ms round's clock would
+count. Before each round
 every recorder is flushed and the process rests 60 ms (outside the clocks), so that no arm's
 background work (acks, a sender thread's polling) lands in the next arm's round. The row is
 env steps per second (vector steps x 8), wrapped against bare; the target reads the median
@@ -36,19 +36,6 @@ NUM_ENVS = 8
 REST_S = 0.06
 
 
-def _discarding_class() -> type:
-    from recorder_client import RolloutRecorder
-
-    class Discarding(RolloutRecorder):
-        """A recorder whose wrapper's chunks go nowhere: RecordRollouts hands each chunk it
-        built to `_record_built`, record()'s entry for them."""
-
-        def _record_built(self, arrays: dict[str, Any]) -> bool:
-            return True
-
-    return Discarding
-
-
 def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     try:
         import gymnasium as gym
@@ -57,7 +44,12 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
     from recorder_client import RolloutRecorder
     from recorder_client.gymnasium import RecordRollouts
 
-    _Discarding = _discarding_class()
+    class Discarding(RolloutRecorder):
+        """Its wrapper's chunks go nowhere: RecordRollouts hands each chunk it built to
+        `_record_built`, record()'s entry for them."""
+
+        def _record_built(self, arrays: dict[str, Any]) -> bool:
+            return True
 
     # Short rounds in many pairs: a pair sees nearly the same load, and the median of the
     # pairs' ratios drops the pairs a load swing split.
@@ -96,7 +88,7 @@ def run_gym_record_rollouts(ctx: Context, rep: int = 0) -> dict[str, Any]:
 
         arms["bare"] = (make(), None)
         # The floor: this wrapper's own work, without record().
-        discarding = _Discarding(target=server.address, session="gym-discard")
+        discarding = Discarding(target=server.address, session="gym-discard")
         recorders.append(discarding)
         arms["discarding"] = (RecordRollouts(make(), discarding), discarding)
         arms["wrapped"] = wrapped("gym-wrapper")
