@@ -432,6 +432,9 @@ class _Child:
             on_error=self.on_error,
             raise_data_loss=spec["raise_data_loss"],
             linger_s=spec["linger_s"],
+            # The wake record() would save is this process's own: polling only adds wake-ups
+            # that can land on the training loop's core.
+            poll=False,
             status_call=lambda done: self.connection.call_async(
                 "GetStatus",
                 pb.StatusRequest(session=spec["session"], counters_only=True),

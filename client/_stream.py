@@ -80,6 +80,7 @@ class ChunkSender(StreamCounters):
         max_episodes: int | None = None,
         status_call: Callable[[Callable[[Any], None]], None] | None = None,
         linger_s: float = 0.0,
+        poll: bool = True,
     ) -> None:
         self._connection = connection
         self._on_stored = on_stored
@@ -149,7 +150,8 @@ class ChunkSender(StreamCounters):
         self._sleeping = True
         self._polling = False
         self._submitted = self._gap = 0.0
-        self._busy_until = 0.0  # no polling before then: the caller's loop holds the GIL
+        # No polling before then: the caller's loop holds the GIL (never, without `poll`).
+        self._busy_until = 0.0 if poll else float("inf")
         # Linger: a small chunk that comes within linger_s of the one before waits up to
         # linger_s for the next ones to join it, so that a loop recording small chunks
         # quickly sends one message (and wakes these threads once) for several. Not with
