@@ -11,7 +11,8 @@ Polling pays only while the caller leaves the GIL free between calls (a sleep, a
 GPU). A caller busy in Python between calls (a Gymnasium loop stepping its envs) hands the GIL
 to each poll: a forced switch every few milliseconds that costs its loop more than record()'s
 wake. A poll that gets the GIL back POLL_LATE_S late says so, and the sender then sleeps until
-woken for POLL_BACKOFF_S (bench `gym_record_rollouts`).
+woken for POLL_BACKOFF_S (bench `gym_record_rollouts`). The sender process's child never
+polls: the wake it would save is its own, not the training loop's.
 """
 
 from __future__ import annotations
