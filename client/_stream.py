@@ -150,8 +150,8 @@ class ChunkSender(StreamCounters):
         self._sleeping = True
         self._polling = False
         self._submitted = self._gap = 0.0
-        # No polling before then: the caller's loop holds the GIL (never, without `poll`).
-        self._busy_until = 0.0 if poll else float("inf")
+        self._may_poll = poll
+        self._busy_until = 0.0  # no polling before then: the caller's loop holds the GIL
         # Linger: a small chunk that comes within linger_s of the one before waits up to
         # linger_s for the next ones to join it, so that a loop recording small chunks
         # quickly sends one message (and wakes these threads once) for several. Not with
@@ -351,7 +351,8 @@ class ChunkSender(StreamCounters):
         """Whether to look at the queue again in POLL_S rather than sleep until woken."""
         now = time.monotonic()
         want = (
-            now - self._submitted < POLL_QUIET_S
+            self._may_poll
+            and now - self._submitted < POLL_QUIET_S
             and self._gap < POLL_GAP_S
             and now >= self._busy_until
         )
