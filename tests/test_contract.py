@@ -407,3 +407,45 @@ def test_record_obs_false_records_what_factoriax_records(target):
     env0 = np.concatenate([c.obs[:, 0] for c in chunks])  # episode 0: env 0 from step 0
     length = int(with_obs.lengths[0])
     np.testing.assert_array_equal(with_obs.states["obs"][0, :length], env0[:length])
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float32])
+def test_a_numeric_done_ends_episodes_where_it_is_nonzero_as_factoriax_reads_it(target, dtype):
+    """`done` of another dtype than bool: nonzero ends the episode (2 as well as 1), the
+    same episodes as the bool flags and as factoriax's recorder gives for those values."""
+    fx = load_factoriax_recorder()
+    if fx is None:
+        pytest.skip("factoriax==0.1.0 not installed")
+    rng = np.random.default_rng(11)
+    chunks = []
+    for _ in range(3):
+        ends = rng.random((8, 3)) < 0.3
+        chunks.append(
+            _Transition(
+                rng.integers(0, 5, (8, 3)).astype(np.int32),
+                rng.normal(size=(8, 3)).astype(np.float32),
+                (ends * rng.integers(1, 3, (8, 3))).astype(dtype),  # 0, 1 or 2
+                rng.normal(size=(8, 3, 2)).astype(np.float32),
+            )
+        )
+    reference = fx[0]()
+    session = f"numeric-done-{np.dtype(dtype).name}"
+    with (
+        RolloutRecorder(target=target, session=session, record_obs=False) as numeric,
+        RolloutRecorder(target=target, session=session + "-bool", record_obs=False) as flags,
+    ):
+        for chunk in chunks:
+            reference.record(chunk, None)
+            numeric.record(chunk)
+            flags.record(chunk._replace(done=chunk.done != 0))
+        want, got, as_bool = reference.finish(), numeric.finish(), flags.finish()
+    # The truth: each env's episodes end at its nonzero rows, counted here.
+    done = np.concatenate([c.done for c in chunks]) != 0
+    ends = int(done.sum())
+    tails = int((~done[-1]).sum())  # an env whose last row is no done has a tail
+    assert got.num_episodes == ends + tails
+    assert int(got.episode_done.sum()) == ends
+    np.testing.assert_array_equal(got.lengths, as_bool.lengths)
+    for other in (as_bool, want):
+        np.testing.assert_array_equal(got.actions, np.asarray(other.actions))
+        np.testing.assert_array_equal(got.rewards, np.asarray(other.rewards))
