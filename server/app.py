@@ -86,6 +86,9 @@ class ServerOptions:
     """Write-ahead log, checkpoints and recovery in data_dir."""
     dataset: DatasetOptions | None = None
     """Write every finished episode to a Parquet dataset (serve --dataset-uri); None: no."""
+    embedded: bool = False
+    """A private server its parent process owns (serve --exit-with-stdin): nothing probes its
+    health, so missing health and reflection packages are no warning."""
 
 
 class RunningServer:
@@ -333,7 +336,7 @@ async def _serve(
         max_message_bytes=options.max_message_bytes,
     )
     pb_grpc.add_RecorderServicer_to_server(servicer, server)
-    health = await add_standard_services(server, [RECORDER_SERVICE_NAME])
+    health = await add_standard_services(server, [RECORDER_SERVICE_NAME], quiet=options.embedded)
     try:
         if credentials is not None:
             port = server.add_secure_port(options.listen, credentials)

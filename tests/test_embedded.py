@@ -88,3 +88,58 @@ def test_the_launcher_finds_the_ready_line_after_other_lines(tmp_path):
         assert [line.split(" at ")[0] for line in server.preamble] == ["rollout-recorder dashboard"]
     finally:
         assert server.stop() == 0
+
+
+def _without_health_packages(tmp_path) -> dict[str, str]:
+    """An environment whose Python cannot import grpc_health or grpc_reflection, as after
+    `pip install rollout-recorder` without the [server] extra (packages of those names
+    first on the path, whose import fails as a missing one does)."""
+    for name in ("grpc_health", "grpc_reflection"):
+        package = tmp_path / "shadow" / name
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(
+            f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n"
+        )
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_RECORDER_TARGET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(tmp_path / "shadow"), env.get("PYTHONPATH")])
+    )
+    return env
+
+
+def test_a_client_only_install_records_without_a_warning_about_server_extras(tmp_path):
+    """The embedded server needs no health service (nothing probes a private server): a
+    client-only install records with a silent stderr. A server of one's own says what is
+    off."""
+    env = _without_health_packages(tmp_path)
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from recorder_client import RolloutRecorder
+        with RolloutRecorder() as rec:
+            done = np.zeros((4, 2), bool)
+            done[1, 0] = True
+            rec.record({"action": np.zeros((4, 2), np.int64), "reward": np.ones((4, 2)), "done": done})
+            print("episodes", rec.finish().num_episodes)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["episodes", "3"]
+    assert out.stderr == ""
+    served = subprocess.Popen(
+        [sys.executable, "-m", "recorder_server", "serve", "--listen", "127.0.0.1:0"]
+        + ["--data-dir", str(tmp_path / "data"), "--no-wal"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert served.stdout.readline().startswith("rollout-recorder listening on ")
+    finally:
+        served.terminate()
+        _, err = served.communicate(timeout=30)
+    assert "WARNING" in err and "gRPC health and reflection are off" in err, err

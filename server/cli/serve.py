@@ -84,6 +84,7 @@ def _options(args: argparse.Namespace) -> ServerOptions:
         dashboard_session_max_age_s=args.dashboard_session_max_age,
         http_listen=args.http_listen,
         metrics_enabled=not args.no_metrics,
+        embedded=args.exit_with_stdin,
         durability=DurabilityOptions(
             enabled=not args.no_wal,
             fsync=args.wal_fsync,

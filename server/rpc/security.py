@@ -331,16 +331,19 @@ class Health:
 
 
 async def add_standard_services(
-    server: grpc.aio.Server, service_names: Sequence[str]
+    server: grpc.aio.Server, service_names: Sequence[str], *, quiet: bool = False
 ) -> Health | None:
     """Add grpc.health.v1 Health (NOT_SERVING until told) and server reflection for
-    `service_names`; None when the health and reflection packages are not installed."""
+    `service_names`; None when the health and reflection packages are not installed (a
+    warning, or with `quiet` an info line: a private server nothing probes)."""
     try:
         from grpc_health.v1 import health, health_pb2_grpc
         from grpc_reflection.v1alpha import reflection
     except ImportError as exc:
-        logger.warning(
-            "%s: gRPC health and reflection are off (install rollout-recorder[server])", exc
+        logger.log(
+            logging.INFO if quiet else logging.WARNING,
+            "%s: gRPC health and reflection are off (install rollout-recorder[server])",
+            exc,
         )
         return None
     servicer = health.aio.HealthServicer()
