@@ -9,12 +9,15 @@ own first steps. Both are refused, naming what to do instead.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import numpy as np
 
 from .errors import RecorderError
+
+logger = logging.getLogger(__name__)
 
 
 def own_recorder(kwargs: dict[str, Any]) -> Any:
@@ -27,6 +30,19 @@ def own_recorder(kwargs: dict[str, Any]) -> Any:
     if "sender" not in kwargs and not threads_needed(kwargs):
         kwargs = {**kwargs, "sender": "process"}
     return RolloutRecorder(**kwargs)
+
+
+def close_own(recorder: Any, name: str) -> None:
+    """Close the recorder a producer made. Without a target it ran a private server, which
+    ends with it: steps recorded since the last ``finish()`` would go unread, so say so."""
+    if recorder._unread_private:
+        logger.warning(
+            "%s.close(): the recorder it made had no target, and its private server ends "
+            "with it, taking the steps recorded since the last finish(). Give it a recorder "
+            "(which stays open after close(), for finish()) or a target= to keep them.",
+            name,
+        )
+    recorder.close()
 
 
 class Claim:

@@ -43,7 +43,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from ._producer import claim, own_recorder
+from ._producer import claim, close_own, own_recorder
 from ._wire import obs_names_error
 from .recorder import RolloutRecorder
 
@@ -372,7 +372,8 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
     """Records every step of a Gymnasium vector environment (sync or async) into a recorder.
 
     `recorder=None` makes `RolloutRecorder(**recorder_kwargs)` (with no `target`, a private
-    server; with `sender="process"` unless the kwargs pick a sender or use `max_episodes`,
+    server, which ends with `close()`, a warning saying so when it held steps: give a
+    recorder to `finish()` after `close()`; with `sender="process"` unless the kwargs pick a sender or use `max_episodes`,
     `on_error` or `on_backpressure="drop"`, which only the thread sender has) and closes it
     on `close()`; a recorder given is flushed on `close()`, not closed,
     so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
@@ -460,7 +461,7 @@ def _finish(rows: _Rows, recorder: RolloutRecorder, owned: bool, taken: Any) -> 
             taken.left(rows.open_after)
         taken.closed = True
         if owned:
-            recorder.close()
+            close_own(recorder, taken.name)
         else:
             recorder.flush()
 

@@ -186,6 +186,7 @@ class RolloutRecorder:
         try:
             self._connection = Connection(target, **connection)
             self._sequence = self._first_join(connect_timeout)
+            self._finished_at = self._sequence  # the last chunk a finish() has read
             # Another process's envs are gone: new episodes. This process's: continued.
             here = (os.getpid(), session, self.worker_id)  # any address: a server may move
             self._fresh_start = self._sequence > 0 and here not in _JOINED_HERE
@@ -572,13 +573,22 @@ class RolloutRecorder:
         ``on_data_loss="continue"`` logs a WARNING and returns it.
         """
         self.flush()
+        through = self._sequence
         request = pb.FinishRequest(
             session=self.session,
             pad_incomplete=bool(pad_incomplete),
             include_partial=bool(include_partial),
             chunk_frames=True,
         )
-        return checked(_assemble(self._connection.download("Finish", request)), self._raise_loss)
+        out = checked(_assemble(self._connection.download("Finish", request)), self._raise_loss)
+        self._finished_at = through
+        return out
+
+    @property
+    def _unread_private(self) -> bool:
+        """Whether this recorder's private server holds chunks no finish() has read: they
+        end with close()."""
+        return self._embedded is not None and self._sequence != self._finished_at
 
     def runtime_state(self) -> bytes:
         """The session's whole state (configuration, workers, sequence numbers, chunks,

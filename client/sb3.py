@@ -45,7 +45,7 @@ except ImportError as exc:  # the client alone does not need SB3
         f"recorder_client.sb3 needs stable-baselines3: pip install 'rollout-recorder[sb3]' ({exc})"
     ) from exc
 
-from ._producer import claim, own_recorder
+from ._producer import claim, close_own, own_recorder
 from .errors import RecorderError
 from .recorder import RolloutRecorder
 
@@ -208,4 +208,4 @@ class RecorderCallback(BaseCallback):
     def close(self) -> None:
         """Close the recorder this callback made (one given to it is the caller's to close)."""
         if self._owned:
-            self.recorder.close()
+            close_own(self.recorder, "RecorderCallback")

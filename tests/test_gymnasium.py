@@ -15,6 +15,8 @@ flags and the final observation.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -423,6 +425,31 @@ def test_recorder_made_from_kwargs_is_closed_and_chunks_are_chunk_steps(address)
         traj = reader.finish()
     check(traj, truth(make_cartpole, 1, actions, SAME), "recorder from kwargs")
     envs.close()  # twice: nothing more
+
+
+def test_a_wrapper_recorder_without_a_target_warns_of_steps_its_close_loses(monkeypatch, caplog):
+    """recorder=None and no target: a private server, which ends with close(). Steps no
+    finish() has read are gone with it, and close() says so; with none, it says nothing.
+    (A wrapper holds its last rows until close(): a finish() before it does not read them.)"""
+    monkeypatch.delenv("ROLLOUT_RECORDER_TARGET", raising=False)
+    n, steps = 2, 40
+    actions = sample_actions(gym.spaces.Discrete(2), steps, n, seed=8)
+    idle = RecordRollouts(vector("sync", make_cartpole, n, NEXT), chunk_steps=16)
+    stepped = RecordRollouts(vector("sync", make_cartpole, n, NEXT), chunk_steps=16)
+    assert stepped.recorder.target.startswith("unix:")  # the private server
+    idle.reset(seed=3)
+    drive(stepped, 3, actions)
+    assert 0 < stepped.recorder.finish().lengths.sum() <= n * 32  # two chunks; 8 rows held
+    caplog.set_level(logging.WARNING, logger="recorder_client")
+    idle.close()
+    assert caplog.records == []
+    stepped.close()
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        "RecordRollouts.close(): the recorder it made had no target, and its private server "
+        "ends with it, taking the steps recorded since the last finish()."
+    )
 
 
 def test_bad_use_is_refused_with_a_clear_error(address):

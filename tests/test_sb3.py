@@ -12,6 +12,8 @@ VecTransposeImage), the truth is logged around them instead (VecLog).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -259,6 +261,32 @@ def test_a_recorder_the_callback_makes_streams_from_a_process(target):
     finally:
         made.close()
         threads.close()
+
+
+def test_a_callback_recorder_without_a_target_warns_only_of_unread_steps(monkeypatch, caplog):
+    """No recorder and no target: a private server that ends with close(). After learn(),
+    `callback.recorder.finish()` reads every step, and close() says nothing; a callback
+    closed unread warns that its steps go with the server."""
+    monkeypatch.delenv("ROLLOUT_RECORDER_TARGET", raising=False)
+    caplog.set_level(logging.WARNING, logger="recorder_client")
+    callbacks = []
+    for _ in range(2):
+        envs, _ = logged_envs(2, PPO_STEPS)
+        callback = RecorderCallback(chunk_steps=8)
+        sb3.PPO("MlpPolicy", envs, n_steps=16, batch_size=32, n_epochs=1, seed=0).learn(
+            32, callback=callback
+        )
+        callbacks.append(callback)
+    read, unread = callbacks
+    assert read.recorder.target.startswith("unix:")
+    assert read.recorder.finish().lengths.sum() == 32  # learn()'s 32 steps, 16 per env
+    read.close()
+    assert caplog.records == []
+    unread.close()
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "RecorderCallback.close(): the recorder it made had no target, and its private server"
+    )
 
 
 def test_a_done_step_without_its_terminal_observation_is_refused(target):
