@@ -626,6 +626,7 @@ class RolloutRecorder:
         self.flush()
         reply = self._connection.call("Reset", pb.ResetRequest(session=self.session))
         self._sender.take_counters(reply.status, self._sequence)
+        self._finished_at = self._sequence  # nothing left to read
         self._forget_layout()
 
     # -- lifetime --------------------------------------------------------
