@@ -372,11 +372,11 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
     """Records every step of a Gymnasium vector environment (sync or async) into a recorder.
 
     `recorder=None` makes `RolloutRecorder(**recorder_kwargs)` (with no `target`, a private
-    server, which ends with `close()`, a warning saying so when it held steps: give a
-    recorder to `finish()` after `close()`; with `sender="process"` unless the kwargs pick a sender or use `max_episodes`,
-    `on_error` or `on_backpressure="drop"`, which only the thread sender has) and closes it
-    on `close()`; a recorder given is flushed on `close()`, not closed,
-    so that `recorder.finish()` can follow. Every `chunk_steps` steps one `record()` call
+    server, which ends with `close()`: a warning says so when it held unread steps; with
+    `sender="process"` unless the kwargs pick a sender or use `max_episodes`, `on_error` or
+    `on_backpressure="drop"`, which only the thread sender has) and closes it on `close()`;
+    a recorder given is flushed on `close()`, not closed, so that `recorder.finish()` can
+    follow. Every `chunk_steps` steps one `record()` call
     sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
     next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation
     is recorded. A Box action of more than one dimension is recorded flattened, `(T, N, P)`.
