@@ -376,10 +376,10 @@ class RecordRollouts(gymnasium.vector.VectorWrapper):
     `sender="process"` unless the kwargs pick a sender or use `max_episodes`, `on_error` or
     `on_backpressure="drop"`, which only the thread sender has) and closes it on `close()`;
     a recorder given is flushed on `close()`, not closed, so that `recorder.finish()` can
-    follow. Every `chunk_steps` steps one `record()` call
-    sends `obs`, `action`, `reward`, `terminated`, `truncated`, `final_obs` and, under
-    next-step autoreset, `valid`. Call `reset()` through the wrapper: the first observation
-    is recorded. A Box action of more than one dimension is recorded flattened, `(T, N, P)`.
+    follow. Every `chunk_steps` steps one `record()` call sends `obs`, `action`, `reward`,
+    `terminated`, `truncated`, `final_obs` and, under next-step autoreset, `valid`. Call
+    `reset()` through the wrapper: the first observation is recorded. A Box action of more
+    than one dimension is recorded flattened, `(T, N, P)`.
     """
 
     def __init__(
